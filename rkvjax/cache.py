@@ -1,0 +1,119 @@
+"""The KV cache: a static-capacity pytree with per-row fill counts and per-slot logical positions.
+
+Every leaf keeps its shape on every step, so the decode step compiles once. Slots and logical
+positions are tracked apart: a slot's RoPE position lives in `slot_pos`, so a cache whose rows were
+filled to different levels, or compacted by a compression, stays exact. `slot_pos` is per KV head
+because compression keeps a different token set per (layer, KV head, row).
+
+Invariant: in every row the occupied slots `[0, length)` hold real tokens in position order, and
+slots `>= length` are empty (`slot_pos == -1`). So the newest tokens are always the last occupied
+slots, which is where compression finds its observation window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: tuple[jax.Array, ...]  # L x [B, K, C, H], keys after RoPE
+    v: tuple[jax.Array, ...]  # L x [B, K, C, H]
+    slot_pos: tuple[jax.Array, ...]  # L x [B, K, C] int32 logical position, -1 = empty
+    q_win: tuple[jax.Array, ...]  # L x [B, N, W, H] the last W queries (empty for FullKV)
+    length: jax.Array  # [B] int32: occupied slots per row = where the next token is written
+    pos: jax.Array  # [B] int32: logical (RoPE) position of the next token
+
+    @property
+    def capacity(self) -> int:  # C, static
+        return self.k[0].shape[2]
+
+    def attend_mask(self, layer: int) -> jax.Array:
+        """[B, K, 1, C]: slots holding a real token. Causality holds by construction in decode:
+        every cached token precedes the query."""
+        return (self.slot_pos[layer] >= 0)[:, :, None, :]
+
+
+def valid_first(idx: jax.Array, slot_pos: jax.Array) -> jax.Array:
+    """Reorders kept slot indices so real tokens come first, in slot (= position) order.
+
+    Args:
+      idx: [B, K, m] ascending slot indices into slot_pos.
+      slot_pos: [B, K, n] int32, -1 at empty slots.
+
+    Returns:
+      [B, K, m]: the same indices, those of real tokens first (stable), empty ones last.
+    """
+    real = jnp.take_along_axis(slot_pos, idx, axis=-1) >= 0  # [B, K, m]
+    return jnp.take_along_axis(idx, jnp.argsort(~real, axis=-1, stable=True), axis=-1)
+
+
+def gather_slots(
+    k: jax.Array, v: jax.Array, slot_pos: jax.Array, idx: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """k, v [B, K, n, H], slot_pos [B, K, n], idx [B, K, m] -> the m picked slots of each."""
+
+    def take(x):
+        return jnp.take_along_axis(x, idx[..., None], axis=2)
+
+    return take(k), take(v), jnp.take_along_axis(slot_pos, idx, axis=-1)
+
+
+def pad_slots(x: jax.Array, capacity: int, value=0) -> jax.Array:
+    """[B, K, m, ...] -> [B, K, C, ...], padded with `value` along the slot axis."""
+    pad = [(0, 0)] * x.ndim
+    pad[2] = (0, capacity - x.shape[2])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _write_row(buf: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
+    """buf [K, C, ...] <- new [K, 1, ...] at slot `at` of one row.
+
+    dynamic_update_slice clamps an out-of-range start instead of failing; the engine sizes the
+    cache so `at < C` always holds (FullKV: prompt + max_new_tokens; compressing methods compress
+    before the append that would overflow).
+    """
+    start = (0, at) + (0,) * (buf.ndim - 2)
+    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+
+
+def _replace_layer(xs: tuple, layer: int, x) -> tuple:
+    return (*xs[:layer], x, *xs[layer + 1 :])
+
+
+def write(cache: KVCache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Appends one token per row to `layer`, at each row's own `length`.
+
+    Args:
+      cache: the cache.
+      layer: layer index (static).
+      q: [B, 1, N, H] the token's query: shifted into the observation ring if there is one.
+      k, v: [B, 1, K, H] the token's key (post-RoPE) and value.
+    """
+    put = jax.vmap(_write_row)  # over rows: each row writes at its own slot
+    b, _, kh, _ = k.shape
+    sp_new = jnp.broadcast_to(cache.pos[:, None, None], (b, kh, 1))  # [B, K, 1]
+    new_k = put(cache.k[layer], jnp.swapaxes(k, 1, 2), cache.length)
+    new_v = put(cache.v[layer], jnp.swapaxes(v, 1, 2), cache.length)
+    new_sp = put(cache.slot_pos[layer], sp_new, cache.length)
+    q_win = cache.q_win
+    if q_win:
+        ring = q_win[layer]  # [B, N, W, H]; order inside the ring does not matter to scoring
+        q_new = jnp.swapaxes(q, 1, 2).astype(ring.dtype)  # [B, N, 1, H]
+        q_win = _replace_layer(q_win, layer, jnp.concatenate([ring[:, :, 1:], q_new], axis=2))
+    return dataclasses.replace(
+        cache,
+        k=_replace_layer(cache.k, layer, new_k),
+        v=_replace_layer(cache.v, layer, new_v),
+        slot_pos=_replace_layer(cache.slot_pos, layer, new_sp),
+        q_win=q_win,
+    )
+
+
+def advance(cache: KVCache) -> KVCache:
+    """After every layer has appended the step's token: one more slot used, next position."""
+    return dataclasses.replace(cache, length=cache.length + 1, pos=cache.pos + 1)

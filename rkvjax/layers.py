@@ -1,0 +1,114 @@
+"""Pure layer functions shared by every model: RMSNorm, RoPE, masked attention."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rkvjax.config import ModelConfig
+
+# A finite "minus infinity": a query whose keys are all masked (a pad row) gets a uniform, finite
+# softmax instead of NaNs that would poison later reductions.
+MASK_VALUE = float(np.finfo(np.float32).min)
+
+
+def f32_dot_operands(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """Operands for a dot that must accumulate in float32 (`preferred_element_type=f32`).
+
+    XLA:CPU has no bfloat16 x bfloat16 -> float32 dot ("Unsupported element type for
+    DotThunk"), so on CPU low-precision operands are upcast first; GPU/TPU take them as they are.
+    """
+    if jax.default_backend() != "cpu":
+        return xs
+    return tuple(x.astype(jnp.float32) if x.dtype != jnp.float32 else x for x in xs)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x [..., D], w [D] -> [..., D]; normalises in float32 like the reference implementations."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[H/2] float32 inverse frequencies, with Llama-3.1 scaling when configured.
+
+    Computed in NumPy at trace time: it depends only on the static config.
+    """
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    s = cfg.rope_scaling
+    if s is not None:
+        # Llama-3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+        low_wavelen = s.original_max_positions / s.low_freq_factor
+        high_wavelen = s.original_max_positions / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv / s.factor + smooth * inv
+        inv = np.where(
+            wavelen > low_wavelen,
+            inv / s.factor,
+            np.where(wavelen < high_wavelen, inv, smoothed),
+        )
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] int32 -> (cos, sin) [B, T, H] float32 (rotate-half layout, as in HF)."""
+    ang = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, H/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)  # [B, T, H]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, H], cos/sin [B, T, H] -> [B, T, N, H]."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_axis: int
+) -> jax.Array:
+    """Grouped-query attention with an explicit boolean mask, softmax in float32.
+
+    Args:
+      q: [B, T, N, H] queries (post-RoPE).
+      k, v: keys/values, either [B, S, K, H] (`kv_axis=1`, a full forward) or [B, K, S, H]
+        (`kv_axis=2`, the cache layout).
+      mask: [B, T, S] or [B, K, T, S]: True where the query may attend to the key.
+      kv_axis: where the key axis S sits in k and v.
+
+    Returns:
+      [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2] if kv_axis == 1 else k.shape[1]
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]; HF order: q head n uses kv head n // G
+    kv_spec = "BSKH" if kv_axis == 1 else "BKSH"
+    qg, k, v = f32_dot_operands(qg, k, v)
+    logits = jnp.einsum(f"BTKGH,{kv_spec}->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * (1.0 / math.sqrt(h))
+    m = mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]  # [B, K|1, 1, T, S]
+    logits = jnp.where(m, logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
+    out = jnp.einsum(f"BKGTS,{kv_spec}->BTKGH", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def causal_mask(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """q_pos [B, T], k_pos [..., S] logical positions (-1 = pad/empty) -> mask [B, (...), T, S].
+
+    A key is visible when it holds a real token (pos >= 0) at or before the query's position.
+    `k_pos` may be [B, S] (full forward) or [B, K, S] (cache slots, per KV head).
+    """
+    if k_pos.ndim == 2:
+        return (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
+    return (k_pos[:, :, None, :] >= 0) & (k_pos[:, :, None, :] <= q_pos[:, None, :, None])

@@ -1,0 +1,66 @@
+"""Shared fixtures: CPU-only JAX, tiny random Hugging Face checkpoints, the default model."""
+
+import os
+
+# Before JAX initialises: CPU only, with 8 host devices for the sharding tests.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest
+import torch
+
+from tests import hf_tiny
+
+# The reference models are tiny: one thread avoids oversubscribing the 2-core CI machine, where
+# torch's thread pool contending with XLA's made them about 15x slower.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smol_dir(tmp_path_factory):
+    """The default model (SmolLM2-135M-Instruct) converted once per session into a temporary
+    RKVJAX_HOME, so tests never touch the user's cache."""
+    from rkvjax.convert.default_model import default_model_dir
+
+    home = tmp_path_factory.getbasetemp() / "rkvjax_home"
+    old = os.environ.get("RKVJAX_HOME")
+    os.environ["RKVJAX_HOME"] = str(home)
+    try:
+        yield default_model_dir()
+    finally:
+        if old is None:
+            os.environ.pop("RKVJAX_HOME", None)
+        else:
+            os.environ["RKVJAX_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def smol(smol_dir):
+    """The default model loaded with rkvjax (float32)."""
+    import rkvjax
+
+    return rkvjax.load(smol_dir, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """kind -> (folder, transformers model) for a tiny random checkpoint, built once per session."""
+    made = {}
+
+    def make(kind: str):
+        if kind not in made:
+            folder = tmp_path_factory.mktemp(kind)
+            made[kind] = (folder, hf_tiny.build(kind, folder))
+        return made[kind]
+
+    return make
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason="needs a GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -1,0 +1,58 @@
+"""Tiny random-init Hugging Face checkpoints (transformers is a test-only dependency)."""
+
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+VOCAB = 97
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # small, so test positions reach all three bands
+}
+
+KINDS = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    "llama3_rope": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(rope_scaling=_LLAMA3)),
+    "llama_mha_tied_bias": (
+        tf.LlamaConfig,
+        tf.LlamaForCausalLM,
+        dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True),
+    ),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+    "qwen2_gqa3": (
+        tf.Qwen2Config,
+        tf.Qwen2ForCausalLM,
+        dict(
+            num_attention_heads=6, num_key_value_heads=2, hidden_size=96, tie_word_embeddings=True
+        ),
+    ),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32)),
+}
+
+
+def build(kind: str, folder: Path, seed: int = 0):
+    """Saves a random `kind` checkpoint to `folder` (safetensors) and returns the torch model."""
+    config_cls, model_cls, extra = KINDS[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**_COMMON, **extra})).eval()
+    with torch.no_grad():
+        # Larger than the default init so logits are far from uniform and argmax ties are rare.
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    return model

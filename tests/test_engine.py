@@ -1,0 +1,124 @@
+"""The compiled decode loop: cache vs full forward, ragged batches, sampling, compile counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rkvjax
+from rkvjax import cache as kv
+from rkvjax import engine
+from rkvjax.config import CompressionConfig
+from rkvjax.sampling import SamplingConfig
+from tests.hf_tiny import VOCAB
+from tests.tolerances import SELF_ATOL
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    folder, _ = tiny_checkpoint("llama3_rope")
+    return rkvjax.load(folder, dtype="float32")
+
+
+def _prompts(lengths, seed=0):
+    rs = np.random.RandomState(seed)
+    return [rs.randint(0, VOCAB, n).tolist() for n in lengths]
+
+
+@jax.jit
+def _decode_logits(decoder, c: kv.KVCache, token):
+    """One cached decode step returning its logits [B, V] (test-only view of the engine step)."""
+    x, c = decoder.hidden(token[:, None], c.pos[:, None], engine._cache_attend, c)
+    return decoder.head(x)[:, 0], kv.advance(c)
+
+
+def test_cached_decode_equals_full_forward(model):
+    """Left-padded prefill + step-by-step cached decode gives the logits of one full forward."""
+    rows = _prompts([5, 12])
+    follow = np.random.RandomState(3).randint(0, VOCAB, (2, 20))
+    p = 16
+    tokens = np.zeros((2, p), np.int32)
+    pos = np.full((2, p), -1, np.int32)
+    for r, row in enumerate(rows):
+        tokens[r, p - len(row) :] = row
+        pos[r, p - len(row) :] = np.arange(len(row))
+    plan = engine.DecodePlan(
+        sampling=SamplingConfig(),
+        compression=CompressionConfig(),
+        stop_ids=(),
+        capacity=p + 20,
+        max_new=1,
+    )
+    given = jnp.zeros((2, 1), jnp.int32)
+    state = engine.prefill(
+        model.decoder, jnp.asarray(tokens), jnp.asarray(pos), given, jax.random.key(0), plan=plan
+    )
+    c = state.cache
+    for t in range(follow.shape[1]):
+        step_logits, c = _decode_logits(model.decoder, c, jnp.asarray(follow[:, t]))
+        for r, row in enumerate(rows):
+            full = rkvjax.logits(model, [row + follow[r, : t + 1].tolist()])[0, -1]
+            np.testing.assert_allclose(step_logits[r], full, atol=SELF_ATOL[jnp.float32])
+    # Prefill moves each row's tokens to the front of its slots: fill levels differ per row.
+    assert np.asarray(c.length).tolist() == [5 + 20, 12 + 20]
+    assert np.asarray(c.pos).tolist() == [5 + 20, 12 + 20]
+
+
+def test_ragged_batch_equals_one_by_one(model):
+    # Lengths straddle a bucket edge (16 -> 32) so rows carry very different amounts of padding.
+    prompts = _prompts([3, 17, 9, 30], seed=4)
+    batch = rkvjax.generate(model, prompts, max_new_tokens=40, ignore_eos=True)
+    for prompt, got in zip(prompts, batch, strict=True):
+        alone = rkvjax.generate(model, prompt, max_new_tokens=40, ignore_eos=True)
+        assert got.token_ids == alone.token_ids
+        assert got.stats.prompt_tokens == len(prompt)
+
+
+def test_decode_compiles_once_across_chunks(model):
+    engine.TRACES.clear()
+    rkvjax.generate(model, _prompts([7, 7]), max_new_tokens=200, ignore_eos=True)  # 4 chunks
+    rkvjax.generate(model, _prompts([6, 5], seed=1), max_new_tokens=200, ignore_eos=True)
+    assert engine.TRACES["decode"] == 1
+    assert engine.TRACES["prefill"] == 1
+
+
+def test_stop_token_ends_row_and_others_continue(model):
+    prompts = _prompts([6, 9], seed=2)
+    free = rkvjax.generate(model, prompts, max_new_tokens=30, ignore_eos=True)
+    stop_tok = free[0].token_ids[4]
+    first = free[0].token_ids.index(stop_tok)
+    out = rkvjax.generate(
+        model, prompts, max_new_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok]
+    )
+    assert out[0].token_ids == free[0].token_ids[: first + 1]
+    assert out[0].finish_reason == "stop"
+    if stop_tok not in free[1].token_ids:
+        assert out[1].token_ids == free[1].token_ids
+        assert out[1].finish_reason == "length"
+
+
+def test_sampling_is_seeded_and_filters_apply(model):
+    prompt = _prompts([8], seed=5)[0]
+    greedy = rkvjax.generate(model, prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    kw = dict(max_new_tokens=24, ignore_eos=True, temperature=1.0)
+    a = rkvjax.generate(model, prompt, seed=1, **kw).token_ids
+    assert a == rkvjax.generate(model, prompt, seed=1, **kw).token_ids
+    assert a != rkvjax.generate(model, prompt, seed=2, **kw).token_ids
+    # top_k=1 and a tiny nucleus both leave only the argmax.
+    assert rkvjax.generate(model, prompt, top_k=1, seed=3, **kw).token_ids == greedy
+    assert rkvjax.generate(model, prompt, top_p=1e-6, seed=3, **kw).token_ids == greedy
+
+
+def test_top_k_restricts_support():
+    from rkvjax.sampling import sample
+
+    logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.3, 0.4]] * 2000))
+    draws = np.asarray(sample(logits, jax.random.key(0), SamplingConfig(temperature=1.0, top_k=2)))
+    assert set(draws.tolist()) == {2, 3}
+    draws = np.asarray(
+        sample(logits, jax.random.key(0), SamplingConfig(temperature=1.0, top_p=0.5))
+    )
+    # Nucleus 0.5 over (0.4, 0.3, ...): 0.4 alone is below 0.5, so {3, 2} remain.
+    assert set(draws.tolist()) == {2, 3}
+    freq = np.mean(draws == 3)
+    assert abs(freq - 0.4 / 0.7) < 0.05
