@@ -130,10 +130,15 @@ class GenerationResult:
     finish_reason: str  # "stop" (stop token or string) or "length"
     stats: GenerationStats
     prompt_token_ids: list[int]
+    # With record_kept: [E, L, K, budget] int32 logical positions each compression kept per
+    # (layer, KV head), -1 for an empty slot; E = compressions run (the prompt's first).
+    kept_positions: np.ndarray | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stats"] = self.stats.to_dict()
+        if self.kept_positions is not None:
+            d["kept_positions"] = self.kept_positions.tolist()
         return d
 
 
@@ -314,7 +319,7 @@ def generate(
     threshold: float = 0.5,
     retain: int = 1,
     think_only: bool = False,
-    think_end_token: str = "</think>",
+    think_end_token: str | int = "</think>",
     answer_slots: int | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: float = 0.0,
@@ -326,6 +331,7 @@ def generate(
     ignore_eos: bool = False,
     chat: bool | None = None,
     progress: bool = False,
+    record_kept: bool = False,
 ) -> GenerationResult | list[GenerationResult]:
     """Generates completions for one prompt or a batch.
 
@@ -338,9 +344,10 @@ def generate(
       method: "rkv", "snapkv", "streaming" or "full"; with budget=None every method is FullKV.
       buffer: decoded tokens between compressions (the cache holds budget + buffer slots).
       window, kernel, lam, threshold, retain: R-KV settings (RKV_SPEC.md).
-      think_only: stop compressing a row once it emits `think_end_token` (the answer is never
-        evicted); the cache then gets `answer_slots` (default 512) more slots for the answer,
-        and is compressed again only if the answer fills those too.
+      think_only: stop compressing a row once it emits `think_end_token` (a string that is one
+        token of the tokenizer, or a token id); the answer is then never evicted. The cache gets
+        `answer_slots` (default 512) more slots for the answer, and a row is compressed again
+        only if its answer fills those too.
       max_new_tokens: tokens to generate at most per prompt.
       temperature, top_p, top_k, seed: sampling; temperature 0 is greedy.
       stop: strings that end a completion (the text is cut before them).
@@ -348,6 +355,8 @@ def generate(
       ignore_eos: keep generating past end-of-sequence tokens.
       chat: wrap text prompts in the model's chat template (default: when it has one).
       progress: show a progress bar over decode steps.
+      record_kept: return, for every compression, the positions each (layer, KV head) kept
+        (`GenerationResult.kept_positions`), for analysis and plots.
 
     Returns:
       A GenerationResult for a single prompt, a list of them for a batch.
@@ -378,7 +387,13 @@ def generate(
     eos = () if ignore_eos else model.eos_token_ids
     stop_ids = tuple(sorted({int(t) for t in stop_token_ids or ()} | set(eos)))
     plan, tokens, positions = _plan(
-        model, ids, cc, max_new_tokens, sampling=sampling, stop_ids=stop_ids
+        model,
+        ids,
+        cc,
+        max_new_tokens,
+        sampling=sampling,
+        stop_ids=stop_ids,
+        record_kept=record_kept,
     )
     b = len(ids)
     stopped_by_string = np.zeros(b, bool)
@@ -399,8 +414,8 @@ def generate(
         progress=progress,
         on_chunk=check_stop_strings if stop else None,
     )
-    out_tokens, num, comps, peak = jax.device_get(
-        (state.tokens, state.num, state.compressions, state.peak)
+    out_tokens, num, comps, peak, kept = jax.device_get(
+        (state.tokens, state.num, state.compressions, state.peak, state.kept)
     )
     decoded = int(np.sum(num)) - b
     results = []
@@ -426,11 +441,16 @@ def generate(
             tokens_per_s=decoded / decode_s if decode_s > 0 else 0.0,
             compile_s=compile_s,
         )
-        results.append(GenerationResult(text, gen, reason, stats, ids[r]))
+        log = kept[r, : comps[r]] if record_kept and cc.compressing else None
+        results.append(GenerationResult(text, gen, reason, stats, ids[r], log))
     return results[0] if single else results
 
 
-def _think_end_id(model: Model, token: str) -> int:
+def _think_end_id(model: Model, token: str | int) -> int:
+    if isinstance(token, (int, np.integer)):
+        if not 0 <= token < model.config.vocab_size:
+            raise ValueError(f"think_end_token id {token} is outside the vocabulary")
+        return int(token)
     if model.tokenizer is None:
         raise ValueError("think_only needs a tokenizer to find the end-of-thinking token")
     ids = model.tokenizer.encode(token, add_special_tokens=False)
@@ -455,62 +475,75 @@ class ScoreResult:
 
 def score(
     model: Model,
-    token_ids: Sequence[int],
+    token_ids,
     *,
-    prompt_len: int,
+    prompt_len: int | Sequence[int],
     budget: int | float | None = None,
     method: str = "rkv",
     return_dists: bool = False,
     **compression,
-) -> ScoreResult:
-    """Teacher-forces `token_ids[prompt_len:]` through the decode path with a compressed cache.
+) -> ScoreResult | list[ScoreResult]:
+    """Teacher-forces continuations through the decode path with a compressed cache.
 
-    The prompt `token_ids[:prompt_len]` is prefilled (and compressed if longer than the budget);
-    each later token is fed through the same compiled decode step as `generate`, compressions
-    included, and its log-probability recorded. This measures the fidelity of a cache policy
-    without a grader: compare against `method="full"`.
+    Each sequence's prompt `ids[:prompt_len]` is prefilled (and compressed if longer than the
+    budget); every later token is fed through the same compiled decode step as `generate`,
+    compressions included, and its log-probability recorded. This measures the fidelity of a
+    cache policy without a grader: compare against `method="full"`.
 
     Args:
       model: from `rkvjax.load`.
-      token_ids: the whole sequence (prompt, then the continuation to score).
-      prompt_len: tokens of `token_ids` that form the prompt (>= 1; >= window when compressing).
+      token_ids: one sequence (list[int]) or a batch (list[list[int]]): prompt, then the
+        continuation to score.
+      prompt_len: prompt tokens of each sequence (one int for all, or one per sequence); >= 1,
+        and >= window when compressing.
       budget, method: the cache policy, as in `generate`.
       return_dists: also return the full log-probability row of every step ([T, V] floats).
       **compression: buffer, window, kernel, lam, threshold, retain as in `generate`.
 
     Returns:
-      A ScoreResult over the T = len(token_ids) - prompt_len scored tokens.
+      A ScoreResult (a list for a batch) over the T = len(ids) - prompt_len scored tokens.
     """
-    ids = [int(t) for t in token_ids]
-    if not 1 <= prompt_len < len(ids):
-        raise ValueError(
-            f"prompt_len must be in [1, {len(ids) - 1}] for {len(ids)} tokens, got {prompt_len}"
-        )
-    given = ids[prompt_len:]
-    cc = compression_config(
-        method, budget, prompt_len=prompt_len, max_new_tokens=len(given), **compression
-    )
+    single = bool(token_ids) and all(isinstance(t, (int, np.integer)) for t in token_ids)
+    seqs = [[int(t) for t in row] for row in ([token_ids] if single else token_ids)]
+    lens = [prompt_len] * len(seqs) if isinstance(prompt_len, (int, np.integer)) else prompt_len
+    if not seqs or len(lens) != len(seqs):
+        raise ValueError("token_ids must be a non-empty sequence, with one prompt_len per row")
+    for r, (ids, n) in enumerate(zip(seqs, lens, strict=True)):
+        if not 1 <= n < len(ids):
+            raise ValueError(
+                f"row {r}: prompt_len must be in [1, {len(ids) - 1}] for {len(ids)} tokens, got {n}"
+            )
+    conts = [ids[n:] for ids, n in zip(seqs, lens, strict=True)]
+    m = max(map(len, conts))
+    given = np.zeros((len(seqs), m), np.int32)
+    for r, c in enumerate(conts):
+        given[r, : len(c)] = c
+    cc = compression_config(method, budget, prompt_len=max(lens), max_new_tokens=m, **compression)
     plan, tokens, positions = _plan(
         model,
-        [ids[:prompt_len]],
+        [ids[:n] for ids, n in zip(seqs, lens, strict=True)],
         cc,
-        len(given),
+        m,
         sampling=SamplingConfig(),
         stop_ids=(),
         teacher=True,
         keep_dists=return_dists,
     )
-    state, *_ = _run(model, plan, tokens, positions, jax.random.key(0), np.asarray([given]))
+    state, *_ = _run(model, plan, tokens, positions, jax.random.key(0), given)
     logp, top1, dists, comps, peak = jax.device_get(
         (state.logprob, state.top1, state.dists, state.compressions, state.peak)
     )
-    return ScoreResult(
-        logprobs=logp[0],
-        top1=top1[0],
-        dists=dists[0] if return_dists else None,
-        compressions=int(comps[0]),
-        peak_cache_slots=int(peak[0]),
-    )
+    results = [
+        ScoreResult(
+            logprobs=logp[r, : len(c)],
+            top1=top1[r, : len(c)],
+            dists=dists[r, : len(c)] if return_dists else None,
+            compressions=int(comps[r]),
+            peak_cache_slots=int(peak[r]),
+        )
+        for r, c in enumerate(conts)
+    ]
+    return results[0] if single else results
 
 
 def _ends_with_stop(gen: list[int], stop_ids: tuple[int, ...]) -> bool:

@@ -50,6 +50,13 @@ class DecodePlan:
     max_new: int  # M, tokens generated (or teacher-forced) per row
     teacher: bool = False  # tokens are given: score them instead of sampling
     keep_dists: bool = False  # teacher mode: also keep every step's log-probabilities [V]
+    record_kept: bool = False  # log the positions each compression kept, per layer and KV head
+
+    @property
+    def max_events(self) -> int:
+        """Compressions a row can run at most: the prompt's, then one per `buffer` new tokens."""
+        cc = self.compression
+        return 2 + self.max_new // cc.buffer if self.record_kept and cc.compressing else 0
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +74,7 @@ class DecodeState:
     logprob: jax.Array  # [B, M] f32 teacher mode: log p(token); [B, 0] otherwise
     top1: jax.Array  # [B, M] int32 teacher mode: the argmax prediction; [B, 0] otherwise
     dists: jax.Array  # [B, M, V] f32 log-probs with keep_dists; [B, 0, 0] otherwise
+    kept: jax.Array  # [B, E, L, K, budget] int32 positions kept by each compression (record_kept)
 
 
 def _causal_attend(positions: jax.Array):
@@ -156,6 +164,28 @@ def prefill(
         logprob=_record(jnp.zeros((b, m if plan.teacher else 0), jnp.float32), logp, 0),
         top1=_record(jnp.zeros((b, m if plan.teacher else 0), jnp.int32), top1, 0),
         dists=_record(jnp.zeros((b, m, v) if plan.keep_dists else (b, 0, 0), jnp.float32), dist, 0),
+        kept=_log_kept(
+            jnp.full((b, plan.max_events, len(ks), ks[0].shape[2], cc.budget), -1, jnp.int32),
+            cache,
+            squeezed,
+            jnp.zeros((b,), jnp.int32),
+            cc.budget,
+        ),
+    )
+
+
+def _log_kept(kept: jax.Array, cache: kv.KVCache, fired: jax.Array, count: jax.Array, budget):
+    """Writes the positions now in the first `budget` slots of the fired rows into event
+    `count[b]` of kept [B, E, L, K, budget] (nothing when recording is off)."""
+    if kept.shape[1] == 0:
+        return kept
+    now = jnp.stack([sp[:, :, :budget] for sp in cache.slot_pos], axis=1)  # [B, L, K, budget]
+
+    def row(buf, new, at, on):  # buf [E, L, K, budget]
+        return jnp.where(on, jax.lax.dynamic_update_slice_in_dim(buf, new[None], at, 0), buf)
+
+    return jax.lax.cond(
+        jnp.any(fired), lambda k: jax.vmap(row)(k, now, count, fired), lambda k: k, kept
     )
 
 
@@ -183,6 +213,7 @@ def _decode_step(model, s: DecodeState, plan: DecodePlan) -> DecodeState:
         logprob=_record(s.logprob, logp, s.step),
         top1=_record(s.top1, top1, s.step),
         dists=_record(s.dists, dist, s.step),
+        kept=_log_kept(s.kept, cache, fired, s.compressions, plan.compression.budget),
     )
 
 
