@@ -1,13 +1,49 @@
-"""Command line: `rkvjax generate "prompt" [--model PATH] [--max-new-tokens N] ...`."""
+"""Command line: `rkvjax generate "prompt" ...` and `rkvjax batch IN.jsonl OUT.jsonl ...`."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 
-from rkvjax import api
+from rkvjax import api, jobs
+from rkvjax.config import METHODS
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=api.DEFAULT_MODEL,
+        help="Hugging Face folder or .gguf file (default: %(default)s, prepared on first use)",
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--max-new-tokens", type=int, default=api.DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--method", choices=METHODS, default="rkv")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="KV tokens kept per layer/head/row (an int), or a fraction in (0, 1); omit for FullKV",
+    )
+    p.add_argument("--buffer", type=int, default=128, help="new tokens between compressions")
+    p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--no-chat", action="store_true", help="send the raw text, without the chat template"
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -15,31 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for one or more prompts")
     g.add_argument("prompts", nargs="+", help="prompt text (several make a batch)")
-    g.add_argument(
-        "--model",
-        default=api.DEFAULT_MODEL,
-        help="Hugging Face folder or .gguf file (default: %(default)s, prepared on first use)",
-    )
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    g.add_argument("--max-new-tokens", type=int, default=api.DEFAULT_MAX_NEW_TOKENS)
-    g.add_argument("--method", choices=api.METHODS, default="rkv")
-    g.add_argument("--budget", type=float, default=None, help="KV budget (tokens); omit for FullKV")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument(
-        "--no-chat", action="store_true", help="send the raw text, without the chat template"
-    )
+    _add_generation_args(g)
     g.add_argument("--json", action="store_true", help="print results as JSON lines")
-    g.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: when stderr is a terminal)",
-    )
+    b = sub.add_parser("batch", help="offline job: JSONL prompts in, JSONL results out (resumable)")
+    b.add_argument("input", help="JSONL, one object per line with `prompt` or `prompt_token_ids`")
+    b.add_argument("output", help="JSONL results, appended; ids already there are skipped")
+    b.add_argument("--batch-size", type=int, default=8)
+    _add_generation_args(b)
     return parser
 
 
@@ -49,15 +67,14 @@ def _budget(value: float | None) -> int | float | None:
     return int(value) if value >= 1 and value == int(value) else value
 
 
-def _generate(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    model = api.load(args.model, dtype=args.dtype)
-    load_s = time.perf_counter() - t0
-    results = api.generate(
+def _generate_fn(args: argparse.Namespace, model: api.Model, progress: bool):
+    return functools.partial(
+        api.generate,
         model,
-        list(args.prompts),
         budget=_budget(args.budget),
         method=args.method,
+        buffer=args.buffer,
+        think_only=args.think_only,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -66,8 +83,19 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         chat=False if args.no_chat else None,
-        progress=sys.stderr.isatty() if args.progress is None else args.progress,
+        progress=progress,
     )
+
+
+def _progress(args) -> bool:
+    return sys.stderr.isatty() if args.progress is None else args.progress
+
+
+def _generate(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    model = api.load(args.model, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    results = _generate_fn(args, model, _progress(args))(list(args.prompts))
     for prompt, r in zip(args.prompts, results, strict=True):
         if args.json:
             print(json.dumps({"prompt": prompt, **r.to_dict()}))
@@ -76,13 +104,31 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"### {prompt}")
         print(r.text)
     s = results[0].stats
-    generated = sum(r.stats.generated_tokens for r in results)
+    policy = "FullKV" if s.budget is None else f"{s.method} budget {s.budget}"
     print(
-        f"[rkvjax] {model.path.name} ({model.config.arch}, {args.dtype or 'default dtype'}) | "
+        f"[rkvjax] {model.path.name} ({model.config.arch}, {model.dtype.__name__}, {policy}) | "
         f"batch {s.batch_size} | prompt tokens {sum(r.stats.prompt_tokens for r in results)} | "
-        f"generated {generated} | {s.tokens_per_s:.1f} tok/s decode | "
-        f"time to first token {s.time_to_first_token_s:.2f} s | compile {s.compile_s:.1f} s | "
-        f"load {load_s:.1f} s | finish {','.join(r.finish_reason for r in results)}",
+        f"generated {sum(r.stats.generated_tokens for r in results)} | "
+        f"{s.tokens_per_s:.1f} tok/s decode | time to first token {s.time_to_first_token_s:.2f} s"
+        f" | compile {s.compile_s:.1f} s | load {load_s:.1f} s | "
+        f"compressions {sum(r.stats.compressions for r in results)} | "
+        f"finish {','.join(r.finish_reason for r in results)}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    model = api.load(args.model, dtype=args.dtype)
+    ran, skipped = jobs.run_job(
+        _generate_fn(args, model, progress=False),
+        args.input,
+        args.output,
+        batch_size=args.batch_size,
+        progress=_progress(args),
+    )
+    print(
+        f"[rkvjax] {ran} prompts generated, {skipped} already done -> {args.output}",
         file=sys.stderr,
     )
     return 0
@@ -91,7 +137,7 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _generate(args)
+        return _batch(args) if args.command == "batch" else _generate(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"rkvjax: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,522 @@
+"""KV-cache bytes and decode tokens/s as the context grows; the largest batch in a memory cap."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rkvjax
+from rkvjax import api, engine, policy
+from rkvjax.sampling import SamplingConfig
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DATA = Path(os.environ.get("RKVJAX_DATA", "/work/shared/data")) / "math500.jsonl"
+METHODS = ("full", "rkv", "snapkv", "streaming")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--buffer", type=int, default=128)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1, help="rows of the speed runs (a)")
+    p.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[1024, 2048, 4096, 8192],
+        help="context length at the end of the timed decode: prompt = context - new tokens",
+    )
+    p.add_argument("--new-tokens", type=int, default=256, help="decoded per timed run")
+    p.add_argument("--repeats", type=int, default=3, help="timed decodes after one warm-up")
+    p.add_argument("--mem-cap-gb", type=float, default=4.0, help="memory cap of part (b), GiB")
+    p.add_argument("--gen-tokens", type=int, default=16384, help="generation length of (b)")
+    p.add_argument("--gen-prompt", type=int, default=128, help="prompt tokens of (b)")
+    p.add_argument("--skip-speed", action="store_true", help="only part (b)")
+    p.add_argument("--skip-capacity", action="store_true", help="only part (a)")
+    p.add_argument("--data", type=Path, default=DATA, help="text for the prompts (math500.jsonl)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model (CI smoke run)")
+    p.add_argument("--out", type=Path, help="JSON lines appended here (default results/)")
+    p.add_argument("--plot", type=Path, help="PNG (default results/memory_speed.png)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        # Every method still compresses twice per timed decode; outputs go to a scratch folder.
+        scratch = Path(tempfile.mkdtemp(prefix="rkvjax-memory-speed-"))
+        args.contexts = [c for c in args.contexts if c <= 256] or [128, 256]
+        args.new_tokens, args.budget, args.buffer = 32, 32, 16
+        args.repeats = min(args.repeats, 2)
+        args.gen_tokens, args.gen_prompt = 2048, 16
+        args.mem_cap_gb = min(args.mem_cap_gb, 0.05)
+        args.out = args.out or scratch / "memory_speed.jsonl"
+        args.plot = args.plot or scratch / "memory_speed.png"
+    args.out = args.out or RESULTS / "memory_speed.jsonl"
+    args.plot = args.plot or RESULTS / "memory_speed.png"
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2")
+    return args
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """A small random Llama (GQA, tied embeddings) saved as a Hugging Face folder."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def text_ids(model, path: Path, n: int) -> list[int]:
+    """At least n token ids of real text (MATH-500 problems back to back), cycled if short;
+    random ids for a model without a tokenizer."""
+    tok = model.tokenizer
+    if tok is None:
+        return np.random.default_rng(0).integers(3, model.config.vocab_size, n).tolist()
+    ids: list[int] = []
+    with path.open() as fh:
+        for line in fh:
+            ids += tok.encode(json.loads(line)["problem"] + "\n\n", add_special_tokens=False)
+            if len(ids) >= n:
+                break
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight; a tied embedding is one array, so it counts once."""
+    from flax import nnx
+
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.decoder, nnx.Param)))
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def kv_bytes(cfg, batch: int, capacity: int, itemsize: int) -> int:
+    """K and V of every layer plus slot_pos (int32): 2 L B K C H itemsize + L B K C 4."""
+    slots = cfg.num_layers * batch * cfg.kv_heads * capacity
+    return 2 * slots * cfg.head_dim * itemsize + slots * 4
+
+
+def _compression(method: str, args, prompt_len: int, max_new: int):
+    return api.compression_config(
+        method,
+        None if method == "full" else args.budget,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new,
+        buffer=args.buffer,
+        window=args.window,
+    )
+
+
+def _copy(state):
+    return jax.tree.map(jnp.copy, state)
+
+
+def _decode_all(model, state, plan) -> engine.DecodeState:
+    """The decode loop of `rkvjax.generate`: chunks of decode steps, the host checking progress
+    between chunks (no stop strings here)."""
+    step = 1
+    while step < plan.max_new:
+        state = engine.decode(model.decoder, state, steps=api._CHUNK, plan=plan)
+        step = int(jax.device_get(state.step))
+    jax.block_until_ready(state.tokens)
+    return state
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _compression_ms(state, plan, repeats: int = 5) -> float | None:
+    """One compression of every row of the cache (all layers): the step the decode loop runs
+    under `lax.cond` every `buffer` tokens. Its cost does not depend on how full the cache is
+    (scoring covers every slot under a mask)."""
+    cc = plan.compression
+    if not cc.compressing:
+        return None
+    fn = jax.jit(policy._compress_rows, static_argnums=2)
+    rows = jnp.ones(state.cache.length.shape, bool)
+    jax.block_until_ready(fn(state.cache, rows, cc))  # compile
+
+    def run():
+        jax.block_until_ready(fn(state.cache, rows, cc))
+
+    return _median_s(run, repeats) * 1e3
+
+
+def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
+    """Part (a): for each context, prefill a prompt of context - new_tokens tokens once per
+    method, then time decoding new_tokens from copies of that state.
+
+    `generate` would redo the prefill on every call, which at 8K tokens costs more than the
+    decode being measured; this drives the same compiled prefill and decode (same plan, same
+    64-step chunks) and times the decode alone. The methods take turns repeat by repeat, so
+    load from other processes on a shared machine hits them alike.
+    """
+    b, n_new = args.batch, args.new_tokens
+    cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
+    rows = []
+    text = text_ids(model, args.data, max(args.contexts) + 97 * b)
+    for ctx in args.contexts:
+        p_len = ctx - n_new
+        # Different text per row, so rows do not compress identically.
+        ids = [text[97 * r : 97 * r + p_len] for r in range(b)]
+        runs = {}
+        for method in args.methods:
+            cc = _compression(method, args, p_len, n_new)
+            plan, tokens, positions = api._plan(
+                model, ids, cc, n_new, sampling=SamplingConfig(), stop_ids=()
+            )
+            c0, t0 = engine.compile_seconds(), time.perf_counter()
+            try:
+                state = engine.prefill(
+                    model.decoder,
+                    jnp.asarray(tokens),
+                    jnp.asarray(positions),
+                    jnp.zeros((b, n_new), jnp.int32),
+                    jax.random.key(0),
+                    plan=plan,
+                )
+                jax.block_until_ready(state.tokens)
+                prefill_comps = int(jax.device_get(state.compressions).max())
+            except Exception as e:  # an out-of-memory prefill is a result, not a crash
+                print(f"context {ctx} {method}: prefill failed: {e!r}"[:500], file=sys.stderr)
+                err = {"context": ctx, "method": method, "error": repr(e)[:500]}
+                rows.append({"bench": "memory_speed", "part": "speed", **err, **meta})
+                continue
+            c1, t1 = engine.compile_seconds(), time.perf_counter()
+            _decode_all(model, _copy(state), plan)  # warm-up: compiles the decode chunk
+            c2, t2 = engine.compile_seconds(), time.perf_counter()
+            runs[method] = {
+                "plan": plan,
+                "state": state,
+                "prefill_s": (t1 - t0) - (c1 - c0),
+                "compile_s": (c1 - c0) + (c2 - c1),
+                "warmup_decode_s": (t2 - t1) - (c2 - c1),
+                "times": [],
+                "comp_ms": _compression_ms(state, plan),
+                "prefill_comps": prefill_comps,
+            }
+        for _ in range(args.repeats):
+            for r in runs.values():
+                s = _copy(r["state"])
+                t0 = time.perf_counter()
+                s = _decode_all(model, s, r["plan"])
+                r["times"].append(time.perf_counter() - t0)
+                r["compressions"] = int(jax.device_get(s.compressions).max())
+                r["peak"] = int(jax.device_get(s.peak).max())
+                del s
+        for method, r in runs.items():
+            plan, dec = r["plan"], statistics.median(r["times"])
+            tps = b * (n_new - 1) / dec  # token 0 comes from the prefill
+            comps = r["compressions"] - r["prefill_comps"]
+            row = {
+                "bench": "memory_speed",
+                "part": "speed",
+                "context": ctx,
+                "prompt_tokens": p_len,
+                "new_tokens": n_new,
+                "batch": b,
+                "method": method,
+                "budget": plan.compression.budget if plan.compression.compressing else None,
+                "buffer": args.buffer,
+                "cache_capacity": plan.capacity,
+                "peak_cache_slots": r["peak"],
+                "cache_kv_bytes": kv_bytes(cfg, b, plan.capacity, itemsize),
+                "cache_state_bytes": tree_bytes(r["state"].cache),  # + q window, counters
+                "decode_s": dec,
+                "decode_s_runs": r["times"],
+                "tokens_per_s": tps,
+                "prefill_s": r["prefill_s"],
+                "compile_s": r["compile_s"],
+                "decode_compressions": comps,
+                "compression_ms": r["comp_ms"],
+                # Share of the decode spent in compression steps, from the standalone timing.
+                "compression_overhead": (
+                    comps * r["comp_ms"] / 1e3 / dec if r["comp_ms"] is not None else 0.0
+                ),
+                "loadavg": os.getloadavg(),
+                "host_max_rss_bytes": _rss(),
+                **meta,
+            }
+            emit(row, args.out)
+            rows.append(row)
+        runs.clear()
+    return rows
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def decode_memory(model, plan, batch: int, prompt: int) -> dict:
+    """Compile-only memory of one decode chunk (and of the prefill) at `batch` rows.
+
+    Peak = arguments (weights + state) + outputs not aliased to a donated argument + XLA's
+    temporaries, as `Compiled.memory_analysis()` reports them. Nothing runs.
+    """
+    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
+    given = jax.ShapeDtypeStruct((batch, plan.max_new), jnp.int32)
+    key = jax.random.key(0)
+    pre = functools.partial(engine.prefill, plan=plan)
+    state = jax.eval_shape(pre, model.decoder, tokens, tokens, given, key)
+    out = {}
+    for name, lowered in (
+        ("prefill", engine.prefill.lower(model.decoder, tokens, tokens, given, key, plan=plan)),
+        ("decode", engine.decode.lower(model.decoder, state, steps=api._CHUNK, plan=plan)),
+    ):
+        ma = lowered.compile().memory_analysis()
+        args_b, out_b = ma.argument_size_in_bytes, ma.output_size_in_bytes
+        alias_b, temp_b = ma.alias_size_in_bytes, ma.temp_size_in_bytes
+        out[name] = {
+            "argument_bytes": args_b,
+            "output_bytes": out_b,
+            "alias_bytes": alias_b,
+            "temp_bytes": temp_b,
+            "peak_bytes": args_b + out_b - alias_b + temp_b,
+        }
+    out["state_bytes"] = tree_bytes(state)
+    out["cache_bytes"] = tree_bytes(state.cache)
+    out["peak_bytes"] = max(out["prefill"]["peak_bytes"], out["decode"]["peak_bytes"])
+    return out
+
+
+def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
+    """Part (b): the largest batch whose prefill and decode fit --mem-cap-gb for a generation of
+    --gen-tokens after a --gen-prompt prompt, from compile-only memory analysis.
+
+    Peak memory is affine in the batch (weights once, cache and temporaries per row): it is
+    measured at 1 and 2 rows, extrapolated to the cap, and the prediction is compiled again to
+    check it (stepping down while it does not fit).
+    """
+    cap = int(args.mem_cap_gb * 2**30)
+    cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
+    w_bytes = weight_bytes(model)
+    prompt = api._bucket(args.gen_prompt, args.gen_prompt)
+    rows = []
+    for method in args.methods:
+        cc = _compression(method, args, prompt, args.gen_tokens)
+        # DecodePlan directly, not api._plan: a 16K generation exceeds SmolLM2's 8192 positions,
+        # which api._plan rejects, but shapes and memory do not depend on that limit.
+        capacity = cc.capacity if cc.compressing else prompt + args.gen_tokens - 1
+        plan = engine.DecodePlan(
+            compression=cc,
+            capacity=capacity,
+            max_new=args.gen_tokens,
+            sampling=SamplingConfig(),
+            stop_ids=(),
+        )
+        t0 = time.perf_counter()
+        m1 = decode_memory(model, plan, 1, prompt)
+        m2 = decode_memory(model, plan, 2, prompt)
+        per_row = m2["peak_bytes"] - m1["peak_bytes"]
+        fixed = m1["peak_bytes"] - per_row
+        best = max(0, (cap - fixed) // per_row) if per_row > 0 else 0
+        checked = None
+        while best > 0:
+            checked = decode_memory(model, plan, best, prompt)
+            if checked["peak_bytes"] <= cap:
+                break
+            best -= max(1, -(-(checked["peak_bytes"] - cap) // per_row))
+        row = {
+            "bench": "memory_speed",
+            "part": "capacity",
+            "method": method,
+            "budget": cc.budget if cc.compressing else None,
+            "buffer": args.buffer,
+            "gen_tokens": args.gen_tokens,
+            "prompt_tokens": prompt,
+            "mem_cap_bytes": cap,
+            "cache_capacity": capacity,
+            "weight_bytes": w_bytes,
+            "kv_bytes_per_row": kv_bytes(cfg, 1, capacity, itemsize),
+            "state_bytes_per_row": m2["state_bytes"] - m1["state_bytes"],
+            "peak_bytes_per_row": per_row,
+            "peak_bytes_fixed": fixed,
+            "decode_temp_bytes_b1": m1["decode"]["temp_bytes"],
+            "prefill_peak_bytes_b1": m1["prefill"]["peak_bytes"],
+            "decode_peak_bytes_b1": m1["decode"]["peak_bytes"],
+            "max_batch": best,
+            "peak_bytes_at_max_batch": checked["peak_bytes"] if checked else None,
+            "decode_temp_bytes_at_max_batch": checked["decode"]["temp_bytes"] if checked else None,
+            "analysis_s": time.perf_counter() - t0,
+            "method_of_analysis": "compile-only memory_analysis (XLA CPU), nothing run",
+            **meta,
+        }
+        emit(row, args.out)
+        rows.append(row)
+    return rows
+
+
+def emit(row: dict, out: Path) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as fh:
+        fh.write(line + "\n")
+
+
+def speed_table(rows: list[dict]) -> str:
+    head = (
+        f"{'context':>7} {'method':>9} {'capacity':>8} {'cache MiB':>9} {'tok/s':>7} "
+        f"{'x full':>6} {'x strm':>6} {'comps':>5} {'comp ms':>7} {'ovh %':>5} {'prefill s':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    ok = [r for r in rows if "error" not in r]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['context']:>7} {r['method']:>9}  failed: {r['error'][:60]}")
+            continue
+        same = {x["method"]: x["tokens_per_s"] for x in ok if x["context"] == r["context"]}
+        rel = [r["tokens_per_s"] / same[m] if m in same else None for m in ("full", "streaming")]
+        rel_s = [format(x, "6.2f") if x is not None else f"{'-':>6}" for x in rel]
+        comp = f"{r['compression_ms']:7.1f}" if r["compression_ms"] is not None else f"{'-':>7}"
+        lines.append(
+            f"{r['context']:>7} {r['method']:>9} {r['cache_capacity']:>8} "
+            f"{r['cache_kv_bytes'] / 2**20:>9.1f} {r['tokens_per_s']:>7.2f} {rel_s[0]} {rel_s[1]} "
+            f"{r['decode_compressions']:>5} {comp} {r['compression_overhead'] * 100:>5.1f} "
+            f"{r['prefill_s']:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def capacity_table(rows: list[dict]) -> str:
+    head = (
+        f"{'method':>9} {'budget':>6} {'capacity':>8} {'KV MiB/row':>10} {'peak MiB/row':>12} "
+        f"{'fixed MiB':>9} {'max batch':>9} {'x full':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    full = next((r["max_batch"] for r in rows if r["method"] == "full"), None)
+    for r in rows:
+        rel = f"{r['max_batch'] / full:6.1f}" if full else f"{'-':>6}"
+        lines.append(
+            f"{r['method']:>9} {r['budget'] or '-':>6} {r['cache_capacity']:>8} "
+            f"{r['kv_bytes_per_row'] / 2**20:>10.2f} {r['peak_bytes_per_row'] / 2**20:>12.2f} "
+            f"{r['peak_bytes_fixed'] / 2**20:>9.0f} {r['max_batch']:>9} {rel}"
+        )
+    return "\n".join(lines)
+
+
+def plot(speed: list[dict], cap: list[dict], path: Path, title: str) -> None:
+    from plot import lines, pyplot, save
+
+    plt = pyplot()
+    if plt is None:
+        return
+    speed = [r for r in speed if "error" not in r]
+    panels = (1 if speed else 0) * 2 + (1 if cap else 0)
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    axes = list(axes[0])
+    if speed:
+        methods = sorted({r["method"] for r in speed})
+
+        def series(field, scale=1.0):
+            return {
+                m: (
+                    [r["context"] for r in speed if r["method"] == m],
+                    [r[field] * scale for r in speed if r["method"] == m],
+                )
+                for m in methods
+            }
+
+        ax = axes.pop(0)
+        lines(ax, series("cache_kv_bytes", 2**-20), xlabel="context", ylabel="KV MiB", title=title)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax = axes.pop(0)
+        sub = f"batch {speed[0]['batch']}, {speed[0]['new_tokens']} new tokens"
+        lines(ax, series("tokens_per_s"), xlabel="context", ylabel="decode tokens/s", title=sub)
+        ax.set_xscale("log", base=2)
+    if cap:
+        ax = axes.pop(0)
+        ax.bar([r["method"] for r in cap], [r["max_batch"] for r in cap])
+        ax.set_ylabel(f"max batch in {cap[0]['mem_cap_bytes'] / 2**30:g} GiB")
+        ax.set_title(f"{cap[0]['gen_tokens']}-token generation (compile-only analysis)")
+        ax.set_yscale("log")
+    save(fig, path)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tiny:
+            path, name = tiny_checkpoint(Path(tmp) / "tiny-llama"), "tiny-random-llama"
+        else:
+            path = args.model
+            name = Path(path).name if path else "SmolLM2-135M-Instruct"
+        model = rkvjax.load(path, dtype=args.dtype)
+    meta = {
+        "model": name,
+        "dtype": jnp.dtype(model.dtype).name,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "argv": sys.argv[1:],
+    }
+    speed = [] if args.skip_speed else speed_rows(model, name, args, meta)
+    cap = [] if args.skip_capacity else capacity_rows(model, name, args, meta)
+    print(
+        f"\n{name} {meta['dtype']}: load average {load0[0]:.2f} at start, "
+        f"{os.getloadavg()[0]:.2f} at end (1-minute); host peak RSS {_rss() / 2**30:.1f} GiB",
+        file=sys.stderr,
+    )
+    if speed:
+        print(
+            f"(a) batch {args.batch}, budget {args.budget}, buffer {args.buffer}: decode "
+            f"{args.new_tokens} tokens ending at each context, median of {args.repeats}",
+            file=sys.stderr,
+        )
+        print(speed_table(speed), file=sys.stderr)
+    if cap:
+        print(
+            f"(b) {args.gen_tokens}-token generation, {args.mem_cap_gb:g} GiB cap, weights "
+            f"{cap[0]['weight_bytes'] / 2**20:.0f} MiB",
+            file=sys.stderr,
+        )
+        print(capacity_table(cap), file=sys.stderr)
+    plot(speed, cap, args.plot, f"{name}, budget {args.budget}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,516 @@
+"""Compression inside the engine: keep sets against the NumPy reference, schedule, memory, compiles.
+
+The keep sets the engine records (`record_kept`) are compared with `tests/reference/rkv_numpy.py`
+run on the post-RoPE queries and keys of a cache-free forward (the model itself is checked against
+transformers in test_models). Before a row's first compression nothing was evicted, so that
+forward sees exactly the keys the cache held; at layer 0 a key depends only on its token and
+position, so every later layer-0 compression can be replayed in NumPy too.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rkvjax
+from rkvjax import api, engine
+from rkvjax import compression as C
+from rkvjax.sampling import SamplingConfig
+from tests.hf_tiny import VOCAB
+from tests.reference import rkv_numpy as ref
+
+W = 8  # window (the default)
+BUDGET, BUFFER = 16, 8
+TRIGGER = BUDGET + BUFFER
+METHODS = ("rkv", "snapkv", "streaming")
+
+# One ragged batch, compressed with rkv, serves the decode-time checks: prompts below the budget
+# (9, 14: their first compression happens while decoding) and above it (30: compressed right
+# after prefill). All three share the 32 bucket in the batch but not alone (16, 16, 32).
+RAGGED = (9, 14, 30)
+RAGGED_NEW = 40
+RAGGED_KW = dict(
+    method="rkv", budget=BUDGET, buffer=BUFFER, max_new_tokens=RAGGED_NEW, record_kept=True
+)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    """n random token ids in which a 3-token motif recurs every 7 tokens.
+
+    A repeated token at a nearby position has a nearly parallel key (same projection, small RoPE
+    rotation), so the redundancy threshold actually decides some of the keep sets compared here.
+    """
+    rs = np.random.RandomState(seed)
+    ids = rs.randint(3, VOCAB, n)
+    motif = rs.randint(3, VOCAB, 3)
+    for start in range(0, n - 3, 7):
+        ids[start : start + 3] = motif
+    return ids.tolist()
+
+
+@jax.jit
+def _hidden_qkv(decoder, tokens, positions):
+    """Per-layer (q, k, v) of a cache-free forward: q [B, T, N, H], k and v [B, T, K, H]."""
+    return decoder.hidden(tokens, positions, engine._causal_attend(positions), ())[1]
+
+
+def _full_qk(model, seqs: list[list[int]], length: int) -> tuple[list, list]:
+    """Post-RoPE queries and keys of each sequence, per layer: q [B, T, N, H], k [B, T, K, H].
+
+    Sequences are right-padded to `length`: with a causal mask a pad after a token never changes
+    it, and one shape compiles once. Returned as float64 numpy (the reference's precision).
+    """
+    tokens = np.zeros((len(seqs), length), np.int32)
+    for r, s in enumerate(seqs):
+        tokens[r, : len(s)] = s
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape)
+    qkv = jax.device_get(_hidden_qkv(model.decoder, jnp.asarray(tokens), jnp.asarray(positions)))
+    return [np.float64(q) for q, _, _ in qkv], [np.float64(k) for _, k, _ in qkv]
+
+
+def _ref_keep(method, q, k, held, *, budget, **kw) -> np.ndarray:
+    """NumPy-reference keep set of one (layer, row) -> [K, budget] logical positions.
+
+    Args:
+      method: "rkv", "snapkv" or "streaming".
+      q, k: [T, N, H] and [T, K, H] queries and keys of the row, indexed by logical position.
+      held: [K][n] the logical positions each KV head holds, in slot order; the last W are the
+        observation tokens whose queries score importance.
+      budget: tokens kept per KV head.
+      kw: threshold, lam, ... passed to the reference.
+    """
+    kh = k.shape[1]
+    g = q.shape[1] // kh
+    out = []
+    for h in range(kh):
+        pos = np.asarray(held[h])
+        keys = k[pos, h][None, None]  # [1, 1, n, H]
+        queries = np.swapaxes(q[pos[-W:], h * g : (h + 1) * g], 0, 1)[None]  # [1, G, W, H]
+        idx = ref.keep(method, queries, keys, budget=budget, window=W, **kw)[0, 0]
+        out.append(pos[idx])
+    return np.stack(out)
+
+
+def _threshold_decides(q, k, held, budget) -> bool:
+    """Whether the near-duplicate rule changes this R-KV keep set: threshold 0.5 against a
+    threshold no cosine reaches (every row then zeroes column 0 instead of its newest match)."""
+    usual = _ref_keep("rkv", q, k, held, budget=budget)
+    return not np.array_equal(usual, _ref_keep("rkv", q, k, held, budget=budget, threshold=1.1))
+
+
+def _expected_compressions(p: int, max_new: int, budget: int, buffer: int) -> int:
+    """Compressions of one row under the spec's schedule.
+
+    The prompt is compressed once if longer than the budget. While decoding, max_new - 1 tokens
+    are appended (the last generated token is never fed back), and each append that finds the
+    row holding budget + buffer tokens is preceded by one compression back to `budget`. So a
+    cache that becomes full on the very last append is not compressed (nothing would read it).
+    """
+    count = int(p > budget)
+    held, appended = min(p, budget), max_new - 1
+    first = budget + buffer - held  # appends until the cache is first full
+    if appended > first:
+        count += (appended - first - 1) // buffer + 1
+    return count
+
+
+def _compression_steps(p: int, max_new: int, budget: int, buffer: int) -> list[int]:
+    """Decode steps (1-based, the prefill's token is step 0) at which a row with p <= budget
+    compresses: step s appends token s - 1, and compresses first if the cache is full."""
+    first = budget + buffer - p
+    return list(range(first + 1, max_new, buffer))
+
+
+def _simulate_layer0(method, q0, k0, p: int, events: int, *, budget, buffer) -> np.ndarray:
+    """Replays the cache schedule of layer 0 in NumPy -> [events, K, budget] kept positions.
+
+    The cache starts with the prompt (compressed if longer than the budget), grows by one
+    position per decode step and is compressed whenever it holds budget + buffer tokens.
+    """
+    kh = k0.shape[1]
+    held = [list(range(p)) for _ in range(kh)]
+    nxt, out = p, []
+    if p > budget:
+        out.append(_ref_keep(method, q0, k0, held, budget=budget))
+        held = [list(x) for x in out[-1]]
+    while len(out) < events:
+        grow = budget + buffer - len(held[0])
+        held = [h + list(range(nxt, nxt + grow)) for h in held]
+        nxt += grow
+        out.append(_ref_keep(method, q0, k0, held, budget=budget))
+        held = [list(x) for x in out[-1]]
+    return np.stack(out)
+
+
+@functools.cache
+def _load(folder, dtype="float32"):
+    """rkvjax.load, once per (folder, dtype)."""
+    return rkvjax.load(folder, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def model_of(tiny_checkpoint):
+    """kind -> the tiny random checkpoint of that kind, loaded in float32."""
+    return lambda kind: _load(tiny_checkpoint(kind)[0])
+
+
+@pytest.fixture(scope="module")
+def llama(model_of):
+    """Tiny Llama, 2 layers, 4 query heads over 2 KV heads (G = 2), head_dim 16."""
+    return model_of("llama")
+
+
+@pytest.fixture(scope="module")
+def ragged(llama):
+    """(prompts, batch results, results of each prompt alone) of the RAGGED rkv generation."""
+    prompts = [_prompt(n, seed) for seed, n in enumerate(RAGGED)]
+    batch = rkvjax.generate(llama, prompts, **RAGGED_KW)
+    alone = [rkvjax.generate(llama, p, **RAGGED_KW) for p in prompts]
+    return prompts, batch, alone
+
+
+@pytest.fixture(scope="module")
+def ragged_qk(llama, ragged):
+    """Full-forward (q, k) over prompt + generated tokens of each RAGGED row."""
+    prompts, batch, _ = ragged
+    return _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, batch, strict=True)], 80)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Keep sets equal the NumPy reference, end to end.
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["llama", "qwen2_gqa3"])
+def test_prefill_compression_matches_reference(model_of, kind, method):
+    """A prompt longer than the budget is compressed once after prefill, per (layer, KV head),
+    exactly as the reference selects from the prompt's keys and its last W queries."""
+    model = model_of(kind)
+    budget, n = 24, 40  # the 40-token prompt sits left-padded in a 64 bucket
+    prompt = _prompt(n, seed=11)
+    out = rkvjax.generate(
+        model, prompt, method=method, budget=budget, max_new_tokens=1, record_kept=True
+    )
+    assert out.stats.compressions == 1
+    kept = out.kept_positions  # [E, L, K, budget]
+    cfg = model.config
+    assert kept.shape == (1, cfg.num_layers, cfg.kv_heads, budget)
+    qs, ks = _full_qk(model, [prompt], n)
+    held = [list(range(n))] * cfg.kv_heads
+    decisive = False
+    for layer in range(cfg.num_layers):
+        q, k = qs[layer][0], ks[layer][0]
+        want = _ref_keep(method, q, k, held, budget=budget)
+        np.testing.assert_array_equal(kept[0, layer], want, err_msg=f"layer {layer}")
+        if method == "rkv":
+            decisive |= _threshold_decides(q, k, held, budget)
+    # The prompt's near-duplicate keys cross the threshold and change what R-KV keeps, so the
+    # comparison covers the newest-match zeroing, not only the smooth part of the score.
+    assert decisive or method != "rkv"
+
+
+def test_first_decode_compression_matches_reference(ragged, ragged_qk):
+    """Each row's first compression, every layer: rows below the budget first compress while
+    decoding, when their cache holds budget + buffer tokens (prompt + the tokens generated so
+    far, none evicted yet); the long row compresses its prompt. Also covers 1d: the threshold
+    rule decides at least one of these keep sets."""
+    prompts, batch, _ = ragged
+    qs, ks = ragged_qk
+    decisive = False
+    for r, (p, res) in enumerate(zip(prompts, batch, strict=True)):
+        n = len(p) if len(p) > BUDGET else TRIGGER  # tokens held at the first compression
+        held = [list(range(n))] * ks[0].shape[2]
+        for layer in range(len(ks)):
+            q, k = qs[layer][r], ks[layer][r]
+            want = _ref_keep("rkv", q, k, held, budget=BUDGET)
+            np.testing.assert_array_equal(
+                res.kept_positions[0, layer], want, err_msg=f"row {r} layer {layer}"
+            )
+            decisive |= _threshold_decides(q, k, held, BUDGET)
+    assert decisive
+
+
+def test_every_layer0_compression_matches_replay(ragged, ragged_qk):
+    """All compressions of layer 0, replayed in NumPy: after the first one each KV head holds
+    its own token set, and the physical slots no longer match logical positions."""
+    prompts, batch, _ = ragged
+    qs, ks = ragged_qk
+    for r, (p, res) in enumerate(zip(prompts, batch, strict=True)):
+        events = res.stats.compressions
+        assert events >= 3
+        want = _simulate_layer0(
+            "rkv", qs[0][r], ks[0][r], len(p), events, budget=BUDGET, buffer=BUFFER
+        )
+        np.testing.assert_array_equal(res.kept_positions[:, 0], want, err_msg=f"row {r}")
+    # The heads really diverge, so per-head slot positions are exercised.
+    assert any(
+        not np.array_equal(res.kept_positions[-1, 0, 0], res.kept_positions[-1, 0, 1])
+        for res in batch
+    )
+
+
+def test_ragged_rows_compress_on_their_own_schedule(ragged):
+    """Rows at different fill levels give exactly what each prompt gives alone: tokens,
+    compression counts and kept positions (each row compresses when its own cache is full)."""
+    prompts, batch, alone = ragged
+    counts = [res.stats.compressions for res in batch]
+    assert len(set(counts)) > 1 or len({len(p) for p in prompts}) == 1  # schedules differ
+    for r, (got, want) in enumerate(zip(batch, alone, strict=True)):
+        assert got.token_ids == want.token_ids, f"row {r}"
+        assert got.stats.compressions == want.stats.compressions, f"row {r}"
+        assert got.stats.peak_cache_slots == want.stats.peak_cache_slots, f"row {r}"
+        np.testing.assert_array_equal(got.kept_positions, want.kept_positions, err_msg=f"row {r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. No eviction, no difference.
+
+
+@pytest.fixture(scope="module")
+def no_eviction_prompts():
+    """Two prompts of different lengths (one bucket) for the budget-above-generation runs."""
+    return [_prompt(10, 21), _prompt(21, 22)]
+
+
+@pytest.fixture(scope="module")
+def fullkv_run(llama, no_eviction_prompts):
+    """FullKV greedy generation of 64 tokens for no_eviction_prompts."""
+    return rkvjax.generate(llama, no_eviction_prompts, method="full", max_new_tokens=64)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_budget_above_generation_equals_fullkv(llama, no_eviction_prompts, fullkv_run, method):
+    """budget > prompt + max_new_tokens: nothing is ever evicted, so every method is FullKV."""
+    budget = 21 + 64 + 1
+    out = rkvjax.generate(
+        llama, no_eviction_prompts, method=method, budget=budget, buffer=BUFFER, max_new_tokens=64
+    )
+    for got, want in zip(out, fullkv_run, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.stats.compressions == 0
+        assert got.stats.peak_cache_slots == want.stats.peak_cache_slots
+        assert got.stats.peak_cache_slots == got.stats.prompt_tokens + 63
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-5. Flat memory, one compile, the compression schedule.
+
+# lam=0.2 gives this run a plan no other test compiles, so the trace counts are its own.
+LONG_KW = dict(method="rkv", budget=BUDGET, buffer=BUFFER, lam=0.2, max_new_tokens=300)
+
+
+@pytest.fixture(scope="module")
+def long_runs(llama):
+    """Two 300-token rkv generations over one prompt bucket (many compressions, five decode
+    chunks): (first results, second results, traces added by the first, by the second)."""
+    before = collections.Counter(engine.TRACES)
+    first = rkvjax.generate(llama, [_prompt(11, 31), _prompt(16, 32)], **LONG_KW)
+    middle = collections.Counter(engine.TRACES)
+    second = rkvjax.generate(llama, [_prompt(12, 33), _prompt(15, 34)], **LONG_KW)
+    after = collections.Counter(engine.TRACES)
+    return first, second, middle - before, after - middle
+
+
+def _cache_shapes(model, ids, cc, max_new):
+    """Shapes and dtypes of the prefill state's cache leaves for this generation (traced only)."""
+    plan, tokens, positions = api._plan(
+        model, ids, cc, max_new, sampling=SamplingConfig(), stop_ids=()
+    )
+    given = jnp.zeros((len(ids), max_new), jnp.int32)
+    state = jax.eval_shape(
+        functools.partial(engine.prefill, plan=plan),
+        model.decoder,
+        jnp.asarray(tokens),
+        jnp.asarray(positions),
+        given,
+        jax.random.key(0),
+    )
+    return plan.capacity, jax.tree.map(lambda x: (x.shape, x.dtype), state.cache)
+
+
+def test_memory_is_flat_in_generation_length(llama, ragged, long_runs):
+    """The rkv cache is budget + buffer slots whatever max_new_tokens; FullKV's grows with it."""
+    _, batch, _ = ragged
+    first, _, _, _ = long_runs
+    for res in [*batch, *first]:  # 40 and 300 new tokens
+        assert res.stats.cache_capacity == TRIGGER
+        assert res.stats.peak_cache_slots == TRIGGER  # filled, never beyond
+    ids = [_prompt(11, 41), _prompt(14, 42)]
+    shapes = {}
+    for method in ("rkv", "full"):
+        for m in (50, 300):
+            cc = api.compression_config(
+                method, BUDGET, prompt_len=14, max_new_tokens=m, buffer=BUFFER
+            )
+            shapes[method, m] = _cache_shapes(llama, ids, cc, m)
+    assert shapes["rkv", 50] == shapes["rkv", 300]
+    assert shapes["rkv", 50][0] == TRIGGER
+    # FullKV holds the prompt bucket plus every new token but the last.
+    assert shapes["full", 50][0] == 16 + 49 and shapes["full", 300][0] == 16 + 299
+    assert shapes["full", 50][1] != shapes["full", 300][1]
+
+
+def test_long_run_compiles_once(long_runs):
+    """Dozens of compressions over several decode chunks trace prefill and decode once; another
+    batch of the same bucket adds no trace (compression is a `lax.cond`, not a recompile)."""
+    first, second, traced_first, traced_second = long_runs
+    assert min(res.stats.compressions for res in first) >= 30
+    assert traced_first == collections.Counter(prefill=1, decode=1)
+    assert traced_second == collections.Counter()
+    assert all(res.stats.generated_tokens == 300 for res in [*first, *second])
+
+
+def test_compression_count_follows_schedule(ragged, long_runs):
+    """stats.compressions = the prompt's compression (when longer than the budget) + one per
+    append that finds the cache full. Covers p < budget, p == budget, p > budget, and row 9 of
+    RAGGED whose cache becomes full on the very last append (no compression for it)."""
+    prompts, batch, _ = ragged
+    first, second, _, _ = long_runs
+    runs = [(prompts, batch, RAGGED_NEW)]
+    runs += [([[0] * r.stats.prompt_tokens for r in rs], rs, 300) for rs in (first, second)]
+    seen = set()
+    for ps, results, m in runs:
+        for p, res in zip(ps, results, strict=True):
+            want = _expected_compressions(len(p), m, BUDGET, BUFFER)
+            assert res.stats.compressions == want, (len(p), m)
+            seen.add((len(p) > BUDGET, len(p) == BUDGET))
+            if res.kept_positions is not None:
+                assert res.kept_positions.shape[0] == want
+    assert seen == {(False, False), (False, True), (True, False)}
+    # The boundary case: 9 + 39 appended tokens fill the cache exactly at the end.
+    assert (RAGGED_NEW - 1 - (TRIGGER - 9)) % BUFFER == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. score(): teacher forcing through the same decode path.
+
+
+def test_score_full_equals_logits(llama):
+    """score(method="full") log-probs are log_softmax of one cache-free forward."""
+    prompt = _prompt(12, 51)
+    seq = prompt + np.random.RandomState(52).randint(0, VOCAB, 20).tolist()
+    res = rkvjax.score(llama, seq, prompt_len=12, method="full")
+    logp = jax.nn.log_softmax(np.asarray(rkvjax.logits(llama, seq))[0], axis=-1)  # [T, V]
+    steps = np.arange(12, len(seq))
+    np.testing.assert_allclose(res.logprobs, np.asarray(logp)[steps - 1, seq[12:]], atol=1e-4)
+    np.testing.assert_array_equal(res.top1, np.argmax(logp, -1)[steps - 1])
+    assert res.compressions == 0
+
+
+def test_score_replays_greedy_generation(llama, ragged):
+    """Teacher-forcing the tokens greedy rkv generated, with the same budget and buffer, gives
+    those tokens as argmax at every step and the same compressions; a batch scores each row as
+    it scores alone."""
+    prompts, batch, _ = ragged
+    seqs = [p + r.token_ids for p, r in zip(prompts, batch, strict=True)]
+    lens = [len(p) for p in prompts]
+    kw = dict(method="rkv", budget=BUDGET, buffer=BUFFER)
+    scored = rkvjax.score(llama, seqs, prompt_len=lens, **kw)
+    for r, (res, gen) in enumerate(zip(scored, batch, strict=True)):
+        np.testing.assert_array_equal(res.top1, gen.token_ids, err_msg=f"row {r}")
+        assert res.compressions == gen.stats.compressions
+        assert res.peak_cache_slots == gen.stats.peak_cache_slots
+        assert np.all(np.isfinite(res.logprobs)) and np.all(res.logprobs <= 0)
+        alone = rkvjax.score(llama, seqs[r], prompt_len=lens[r], **kw)
+        np.testing.assert_allclose(alone.logprobs, res.logprobs, atol=1e-5, err_msg=f"row {r}")
+        np.testing.assert_array_equal(alone.top1, res.top1)
+        assert alone.compressions == res.compressions
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Think-only mode.
+
+
+def test_think_only_stops_compressing_after_end_token(llama, ragged):
+    """With think_only, a row stops compressing once it emits the end-of-thinking token: its
+    answer grows into answer_slots and is never evicted."""
+    prompts, _, alone = ragged
+    p, normal = prompts[0], alone[0]  # 9 tokens: compresses at decode steps 16, 24, 32
+    steps = _compression_steps(len(p), RAGGED_NEW, BUDGET, BUFFER)
+    assert len(steps) == normal.stats.compressions == 3
+    gen = normal.token_ids
+    # The first token that appears for the first time between the first and last compression.
+    at = next(i for i in range(steps[0], steps[-1]) if gen.index(gen[i]) == i)
+    answer_slots = 64
+    think = rkvjax.generate(
+        llama,
+        p,
+        think_only=True,
+        think_end_token=gen[at],
+        answer_slots=answer_slots,
+        **RAGGED_KW,
+    )
+    assert think.stats.cache_capacity == TRIGGER + answer_slots
+    # Up to the end token both runs are the same (the larger cache only adds masked slots).
+    assert think.token_ids[: at + 1] == gen[: at + 1]
+    done = sum(s <= at for s in steps)  # compressions while still thinking
+    assert 0 < done < normal.stats.compressions
+    assert think.stats.compressions == done
+    np.testing.assert_array_equal(think.kept_positions, normal.kept_positions[:done])
+    # The answer is kept whole: the cache grows past budget + buffer and holds every position
+    # from the last compression's window on.
+    assert think.stats.peak_cache_slots > TRIGGER
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Bad settings fail before anything is traced.
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(budget=8), r"budget \(8\) must be larger than window \(8\)"),
+        (dict(budget=12, window=12), r"budget \(12\) must be larger than window"),
+        (dict(budget=16, buffer=0), "buffer must be >= 1"),
+        (dict(budget=16, lam=1.5), r"lam must be in \[0, 1\]"),
+        (dict(budget=16, kernel=6), "kernel must be a positive odd int"),
+        (dict(budget=0.0), r"fraction in \(0, 1\]"),
+        (dict(budget=1.5), r"fraction in \(0, 1\]"),
+        (dict(budget="16"), "budget must be an int"),
+        (dict(budget=16, prompt=[5, 6, 7, 8, 9]), "shorter than window=8"),
+        (dict(budget=16, think_only=True), "think_only needs a tokenizer"),
+        (dict(budget=16, think_only=True, think_end_token=VOCAB), "outside the vocabulary"),
+        (dict(budget=16, answer_slots=64), "answer_slots needs think_end_id"),
+    ],
+)
+def test_bad_settings_rejected_before_tracing(llama, kwargs, match):
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", _prompt(20, 61))
+    before = collections.Counter(engine.TRACES)
+    with pytest.raises(ValueError, match=match):
+        rkvjax.generate(llama, prompt, max_new_tokens=16, **kwargs)
+    assert engine.TRACES == before
+
+
+def test_bad_score_settings_rejected_before_tracing(llama):
+    seq = _prompt(30, 62)
+    before = collections.Counter(engine.TRACES)
+    with pytest.raises(ValueError, match="must be larger than window"):
+        rkvjax.score(llama, seq, prompt_len=20, budget=8)
+    with pytest.raises(ValueError, match="shorter than window=8"):
+        rkvjax.score(llama, seq, prompt_len=5, budget=16)
+    assert engine.TRACES == before
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. bfloat16.
+
+
+def test_bfloat16_compressing_run(tiny_checkpoint):
+    """A bfloat16 model compresses (scores are float32 whatever the key dtype)."""
+    model = _load(tiny_checkpoint("llama")[0], "bfloat16")
+    prompt = _prompt(14, 71)
+    out = rkvjax.generate(model, prompt, **RAGGED_KW)
+    assert out.stats.compressions == _expected_compressions(14, RAGGED_NEW, BUDGET, BUFFER) > 0
+    kept = out.kept_positions  # [E, L, K, budget]
+    assert ((kept >= 0) & (kept < 14 + RAGGED_NEW)).all()
+    assert (np.diff(kept, axis=-1) > 0).all()
+    q = jax.ShapeDtypeStruct((1, 4, W, 16), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, 24, 16), jnp.bfloat16)
+    valid = jax.ShapeDtypeStruct((1, 2, 24), jnp.bool_)
+    assert jax.eval_shape(C.rkv_scores, q, k, valid).dtype == jnp.float32
