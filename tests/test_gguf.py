@@ -318,3 +318,17 @@ def test_greedy_answer_mentions_paris(smol_dir, hf_model, torch):
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
     answer = tok.decode(out[0, len(prompt) :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_load_accepts_a_gguf_file(tmp_path, monkeypatch, capsys):
+    import rkvjax
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("RKVJAX_HOME", str(tmp_path / "home"))
+    model = rkvjax.load(src)
+    assert model.path.parent == tmp_path / "home" / "models"
+    assert model.path.name.startswith("tiny-")
+    assert "preparing tiny.gguf" in capsys.readouterr().err
+    assert rkvjax.load(src).path == model.path  # cached: no second conversion
+    assert capsys.readouterr().err == ""
+    assert rkvjax.logits(model, [1, 2, 3]).shape == (1, 3, model.config.vocab_size)
