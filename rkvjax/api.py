@@ -216,6 +216,7 @@ def compression_config(
     retain: int = 1,
     think_end_id: int | None = None,
     answer_slots: int | None = None,
+    kernels: bool | None = None,
 ) -> CompressionConfig:
     """Validated CompressionConfig for a generation; `budget=None` or "full" means FullKV.
 
@@ -245,6 +246,7 @@ def compression_config(
         retain=retain,
         think_end_id=think_end_id,
         answer_slots=(512 if answer_slots is None else answer_slots) if think_end_id else 0,
+        kernels=kernels,
     )
 
 
@@ -321,6 +323,7 @@ def generate(
     think_only: bool = False,
     think_end_token: str | int = "</think>",
     answer_slots: int | None = None,
+    kernels: bool | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -348,6 +351,8 @@ def generate(
         token of the tokenizer, or a token id); the answer is then never evicted. The cache gets
         `answer_slots` (default 512) more slots for the answer, and a row is compressed again
         only if its answer fills those too.
+      kernels: run compression's redundancy and top-k as Pallas kernels (True), as jnp (False),
+        or auto (None: kernels on GPU/TPU, jnp on CPU where Pallas only interprets).
       max_new_tokens: tokens to generate at most per prompt.
       temperature, top_p, top_k, seed: sampling; temperature 0 is greedy.
       stop: strings that end a completion (the text is cut before them).
@@ -378,6 +383,7 @@ def generate(
         retain=retain,
         think_end_id=_think_end_id(model, think_end_token) if think_only else None,
         answer_slots=answer_slots,
+        kernels=kernels,
     )
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in stop):

@@ -8,6 +8,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from rkvjax import kernels
+
 METHODS = ("rkv", "snapkv", "streaming")  # the compressing methods; "full" never selects
 SINKS = 4  # StreamingLLM attention sinks
 
@@ -189,7 +191,7 @@ def redundancy(keys, valid, *, window=8, threshold=0.5, retain=1):
     return _masked_softmax(red, valid)[..., : n - window]
 
 
-def rkv_scores(queries, keys, valid, *, kernel=7, lam=0.1, threshold=0.5, retain=1):
+def rkv_scores(queries, keys, valid, *, kernel=7, lam=0.1, threshold=0.5, retain=1, impl=None):
     """Joint R-KV score `lam * I - (1 - lam) * R` of the candidates (RKV_SPEC.md step 3).
 
     Args:
@@ -200,13 +202,17 @@ def rkv_scores(queries, keys, valid, *, kernel=7, lam=0.1, threshold=0.5, retain
       lam: weight of importance against redundancy, in [0, 1].
       threshold: redundancy cosine threshold.
       retain: redundancy matches not counted per row.
+      impl: redundancy on the fused Pallas kernel (True), this module's jnp (False), or
+        auto (None: the kernel on GPU/TPU); see `rkvjax.kernels.use_pallas`.
 
     Returns:
       float32 [B, K, n - W]; higher is kept first. 0 at invalid candidates.
     """
     w = queries.shape[2]
     i = importance(queries, keys, valid, kernel=kernel)  # [B, K, n-W]
-    r = redundancy(keys, valid, window=w, threshold=threshold, retain=retain)  # [B, K, n-W]
+    r = kernels.redundancy(
+        keys, valid, window=w, threshold=threshold, retain=retain, impl=impl
+    )  # [B, K, n-W]
     return lam * i - (1 - lam) * r
 
 
@@ -229,6 +235,7 @@ def select(
     lam=0.1,
     threshold=0.5,
     retain=1,
+    impl=None,
 ):
     """Keep set of one compression step over keys with a validity mask.
 
@@ -253,6 +260,8 @@ def select(
       lam: R-KV mix, `lam * importance - (1 - lam) * redundancy`.
       threshold: redundancy cosine threshold.
       retain: redundancy matches not counted per row (1 in the reference).
+      impl: Pallas kernels for redundancy and top-k (True), jnp (False) or auto (None: the
+        kernels on GPU/TPU, jnp on CPU).
 
     All hyperparameters are static Python numbers.
 
@@ -281,7 +290,14 @@ def select(
     cand = valid[..., :n_cand]  # [B, K, n-W]
     if method == "rkv":
         score = rkv_scores(
-            queries, keys, valid, kernel=kernel, lam=lam, threshold=threshold, retain=retain
+            queries,
+            keys,
+            valid,
+            kernel=kernel,
+            lam=lam,
+            threshold=threshold,
+            retain=retain,
+            impl=impl,
         )
     elif method == "snapkv":
         score = importance(queries, keys, valid, kernel=kernel)
@@ -291,10 +307,10 @@ def select(
     # first" between equal scores; `where` survives jit, where `+ 0.0` is folded away.
     score = jnp.where(score == 0, 0.0, score)  # [B, K, n-W]
     score = jnp.where(cand, score, -jnp.inf)
-    # top_k breaks ties towards the lower index (documented, and tested).
-    top = jax.lax.top_k(score, budget - window)[1]  # [B, K, budget-W]
+    # Ascending positions of the top scores, ties towards the lower index (tested).
+    top = kernels.topk_positions(score, budget - window, impl=impl)  # [B, K, budget-W]
     obs = jnp.broadcast_to(jnp.arange(n_cand, n), (b, k_heads, window))  # [B, K, W]
-    return jnp.concatenate([jnp.sort(top, axis=-1), obs], axis=-1).astype(jnp.int32)
+    return jnp.concatenate([top, obs], axis=-1).astype(jnp.int32)
 
 
 def keep_indices(

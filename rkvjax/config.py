@@ -77,6 +77,7 @@ class CompressionConfig:
     retain: int = 1  # newest redundant copies not counted (the reference keeps 1)
     think_end_id: int | None = None  # stop compressing a row once it emits this token
     answer_slots: int = 0  # extra slots for the answer after think_end_id (think-only mode)
+    kernels: bool | None = None  # Pallas kernels: None = on GPU/TPU only, True/False = force
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -106,6 +107,8 @@ class CompressionConfig:
             raise ValueError(f"retain must be >= 1, got {self.retain}")
         if self.answer_slots < 0:
             raise ValueError(f"answer_slots must be >= 0, got {self.answer_slots}")
+        if self.kernels not in (None, True, False):
+            raise ValueError(f"kernels must be None, True or False, got {self.kernels!r}")
         if self.answer_slots and self.think_end_id is None:
             raise ValueError("answer_slots only applies with think_end_id (think-only mode)")
 

@@ -29,6 +29,7 @@ def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int) -> jax.Array
         lam=cc.lam,
         threshold=cc.threshold,
         retain=cc.retain,
+        impl=cc.kernels,
     )
     return kv.valid_first(idx, slot_pos)
 

@@ -1,0 +1,49 @@
+"""Default tile sizes of the R-KV kernels per backend (a starting point, not measured tunings)."""
+
+from __future__ import annotations
+
+import jax
+
+# (block_r, block_c) of the redundancy kernel: rows x columns of one similarity tile.
+# GPU (Triton): f32 IEEE dots on 64 x 64 tiles with H <= 128 keep the two key tiles and the
+# tile of S in registers; tl.dot needs every side >= 16. TPU: 256 fills the MXU and keeps the
+# lane dimension dense. CPU interpret mode: larger tiles mean fewer (slow) grid steps.
+REDUNDANCY_TILES = {"gpu": (64, 64), "tpu": (256, 256), "cpu": (128, 128)}
+
+# (block_m, block_k) of the top-k kernel: score chunk width and output positions per pass.
+# The compaction compares a [block_k, block_m] tile, so their product bounds register use.
+TOPK_TILES = {"gpu": (256, 32), "tpu": (512, 128), "cpu": (512, 128)}
+
+
+def backend() -> str:
+    """The default JAX backend folded to "gpu", "tpu" or "cpu" (anything else runs as CPU)."""
+    name = jax.default_backend()
+    return name if name in ("gpu", "tpu") else "cpu"
+
+
+def fit(block: int, n: int, floor: int) -> int:
+    """block shrunk to the next power of two >= n (never below floor): small inputs pad less."""
+    need = max(floor, 1 << max(n - 1, 0).bit_length())
+    return min(block, need)
+
+
+def compiler_params(interpret: bool, n_axes: int):
+    """Backend compiler parameters of a pallas_call with n_axes independent grid axes.
+
+    GPU: Triton, chosen explicitly because JAX now lowers a bare pallas_call on GPU to Mosaic
+    GPU, which deprecates pallas_call (and these kernels are written for the Triton model:
+    independent programs, power-of-two tiles). TPU: every grid axis is parallel (no program
+    accumulates into another's output), so megacore chips may split them. Interpret: None.
+    """
+    if interpret:
+        return None
+    name = backend()
+    if name == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * n_axes)
+    if name == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return None
