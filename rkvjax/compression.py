@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 
 from rkvjax import kernels
+from rkvjax.config import check_int
+from rkvjax.layers import masked_softmax, unit_vectors
 
 METHODS = ("rkv", "snapkv", "streaming")  # the compressing methods; "full" never selects
 SINKS = 4  # StreamingLLM attention sinks
@@ -16,11 +17,6 @@ SINKS = 4  # StreamingLLM attention sinks
 # Scores decide a discrete keep set, so they are computed in true float32: the default matmul
 # precision on TPU (bf16 passes) and on GPU (TF32) moves cosines across the threshold.
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def _validate(
@@ -76,17 +72,17 @@ def _validate(
                 f"more than the n={n} keys"
             )
     if window is not None:
-        _check_int("window", window, 1)
+        check_int("window", window, 1)
         if window > n:
             raise ValueError(f"window={window} is larger than the n={n} keys")
     if budget is not None:
-        _check_int("budget", budget, 1)
+        check_int("budget", budget, 1)
         if budget <= window:
             raise ValueError(f"budget={budget} must be larger than window={window}")
         if budget > n:
             raise ValueError(f"budget={budget} is larger than the n={n} keys")
     if kernel is not None:
-        _check_int("kernel", kernel, 1)
+        check_int("kernel", kernel, 1)
         if kernel % 2 == 0:
             raise ValueError(f"kernel must be odd (centred max-pool), got {kernel}")
     if lam is not None and not 0 <= lam <= 1:
@@ -94,18 +90,7 @@ def _validate(
     if threshold is not None and not -1 <= threshold <= 1:
         raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {threshold}")
     if retain is not None:
-        _check_int("retain", retain, 1)
-
-
-def _masked_softmax(x, mask):
-    """Softmax over the last axis of x [..., m] restricted to mask [..., m]; 0 where masked."""
-    x = jnp.where(mask, x, -jnp.inf)  # [..., m]
-    top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]
-    # A lane with nothing valid would compute -inf - -inf = nan; it gets all zeros instead.
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    e = jnp.where(mask, jnp.exp(x - top), 0.0)  # [..., m]
-    total = jnp.sum(e, axis=-1, keepdims=True)  # [..., 1]
-    return e / jnp.where(total > 0, total, 1.0)
+        check_int("retain", retain, 1)
 
 
 def _pool(x, valid, kernel):
@@ -146,7 +131,7 @@ def importance(queries, keys, valid, *, kernel=7):
     logits = jnp.einsum("BKGWH,BKnH->BKGWn", q, cand, precision=_HIGHEST) / math.sqrt(h)
     # GQA: max over the group's raw logits, before the softmax (reference order).
     logits = jnp.max(logits, axis=2)  # [B, K, W, n-W]
-    attn = _masked_softmax(logits, valid[:, :, None, : n - w])  # [B, K, W, n-W]
+    attn = masked_softmax(logits, valid[:, :, None, : n - w])  # [B, K, W, n-W]
     return _pool(jnp.mean(attn, axis=2), valid[..., : n - w], kernel)
 
 
@@ -173,8 +158,7 @@ def redundancy(keys, valid, *, window=8, threshold=0.5, retain=1):
     """
     _validate(None, keys, valid, window=window, threshold=threshold, retain=retain)
     n = keys.shape[2]
-    k = keys.astype(jnp.float32)  # [B, K, n, H]
-    k = k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8)
+    k = unit_vectors(keys)  # [B, K, n, H]
     s = jnp.einsum("BKiH,BKjH->BKij", k, k, precision=_HIGHEST)  # [B, K, n, n]
     pair = valid[..., :, None] & valid[..., None, :]  # [B, K, n, n]
     s = jnp.where(pair & ~jnp.eye(n, dtype=bool), s, 0.0)
@@ -188,7 +172,7 @@ def redundancy(keys, valid, *, window=8, threshold=0.5, retain=1):
     s = jnp.where(drop | (short & first[..., None, :]), 0.0, s)
     count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)  # [B, K, 1]
     red = jnp.sum(s, axis=-2) / count  # [B, K, n] invalid rows are all 0
-    return _masked_softmax(red, valid)[..., : n - window]
+    return masked_softmax(red, valid)[..., : n - window]
 
 
 def rkv_scores(queries, keys, valid, *, kernel=7, lam=0.1, threshold=0.5, retain=1, impl=None):

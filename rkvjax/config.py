@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any
+
+
+def check_int(name: str, value, low: int) -> None:
+    """Raises ValueError unless value is an int (not a bool) >= low."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,25 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
+def masked_softmax(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis of x [..., m] restricted to mask [..., m]; 0 where masked."""
+    x = jnp.where(mask, x, -jnp.inf)  # [..., m]
+    top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]
+    # A lane with nothing valid would compute -inf - -inf = nan; it gets all zeros instead.
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(mask, jnp.exp(x - top), 0.0)  # [..., m]
+    total = jnp.sum(e, axis=-1, keepdims=True)  # [..., 1]
+    return e / jnp.where(total > 0, total, 1.0)
+
+
+def unit_vectors(x: jax.Array) -> jax.Array:
+    """x [..., H] -> float32 x / (||x|| + 1e-8), the reference's cosine normalisation. Every
+    path computes it with this one expression, so cosines near a threshold fall on the same
+    side everywhere."""
+    x = x.astype(jnp.float32)
+    return x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-8)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """[H/2] float32 inverse frequencies, with Llama-3.1 scaling when configured.
 

@@ -22,8 +22,9 @@ S entry touching them is 0 without a mask (only matching needs one, for threshol
 Dots run at HIGHEST precision (IEEE f32 on Triton, multi-pass on TPU): the keep set is
 discrete, and TF32 / bf16 passes move cosines across the threshold.
 
-This module never imports `rkvjax.compression` (which dispatches to it): `_validate` and
-`_masked_softmax` are kept in step with it by the tests.
+This module never imports `rkvjax.compression` (which dispatches to it); the two share the
+normalisation, the masked softmax and the int checks through `rkvjax.layers` and
+`rkvjax.config`, and the tests keep `_validate` in step with compression's.
 """
 
 from __future__ import annotations
@@ -36,19 +37,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from rkvjax.config import check_int
 from rkvjax.kernels import tuning
+from rkvjax.layers import masked_softmax, unit_vectors
 
 _HIGHEST = lax.Precision.HIGHEST
-_EPS = 1e-8  # the norm guard of the reference: k / (||k|| + 1e-8)
-
-
-def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def _check_tile(name, value, floor):
-    _check_int(name, value, floor)
+    check_int(name, value, floor)
     if value & (value - 1):
         raise ValueError(f"{name} must be a power of two (Triton tiles), got {value}")
 
@@ -65,38 +62,23 @@ def _validate(keys, valid, *, window, threshold, retain, block_r=None, block_c=N
             raise ValueError(f"valid must be [B, K, n] = {(b, k, n)}, got shape {valid.shape}")
         if valid.dtype != jnp.bool_:
             raise ValueError(f"valid must be bool, got {valid.dtype}")
-    _check_int("window", window, 1)
+    check_int("window", window, 1)
     if window > n:
         raise ValueError(f"window={window} is larger than the n={n} keys")
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
         raise ValueError(f"threshold must be a static number, got {threshold!r}")
     if not -1 <= threshold <= 1:
         raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {threshold}")
-    _check_int("retain", retain, 1)
+    check_int("retain", retain, 1)
     if block_r is not None:
         _check_tile("block_r", block_r, floor)
     if block_c is not None:
         _check_tile("block_c", block_c, floor)
 
 
-def _masked_softmax(x, mask):
-    """Softmax over the last axis of x [..., m] restricted to mask [..., m]; 0 where masked."""
-    x = jnp.where(mask, x, -jnp.inf)  # [..., m]
-    top = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]
-    # A lane with nothing valid would compute -inf - -inf = nan; it gets all zeros instead.
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    e = jnp.where(mask, jnp.exp(x - top), 0.0)  # [..., m]
-    total = jnp.sum(e, axis=-1, keepdims=True)  # [..., 1]
-    return e / jnp.where(total > 0, total, 1.0)
-
-
 def _unit_keys(keys, valid):
     """keys [B, K, n, H] -> float32 unit keys [B, K, n, H], zero vectors where not valid."""
-    k = keys.astype(jnp.float32)
-    # The same expression as rkvjax.compression.redundancy: bit-identical unit keys keep
-    # cosines that sit near the threshold on the same side in both paths.
-    k = k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + _EPS)
-    return jnp.where(valid[..., None], k, 0.0)
+    return jnp.where(valid[..., None], unit_vectors(keys), 0.0)
 
 
 def _similarity(a, b, a0, b0):
@@ -277,7 +259,7 @@ def redundancy(
 
     count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)  # [B, K, 1]
     red = colsum[:, :n, 0].reshape(b, kh, n) / count  # [B, K, n] invalid columns are 0
-    return _masked_softmax(red, valid)[..., : n - window]
+    return masked_softmax(red, valid)[..., : n - window]
 
 
 def redundancy_reference(keys, valid, *, window=8, threshold=0.5, retain=1):
@@ -305,4 +287,4 @@ def redundancy_reference(keys, valid, *, window=8, threshold=0.5, retain=1):
     drop = (match & (j >= c)) | ((c < 0) & (j == first))  # [B, K, n, n]
     count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)  # [B, K, 1]
     red = jnp.sum(jnp.where(drop, 0.0, s), axis=-2) / count  # [B, K, n]
-    return _masked_softmax(red, valid)[..., : n - window]
+    return masked_softmax(red, valid)[..., : n - window]
