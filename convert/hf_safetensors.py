@@ -2,7 +2,8 @@
 
 Files are memory-mapped and read per tensor (NumPy + ml_dtypes, so bfloat16 works and torch is
 never needed); each tensor is checked, reshaped into our layout and placed on device before the next
-is read, so host memory never holds the whole model twice.
+is read, so host memory never holds the whole model twice. On a mesh each tensor goes straight
+into its target sharding: every device receives only its own block, never the whole model.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 from rkvjax.models.decoder import Decoder, abstract_decoder
 
+from rkvjax import sharding
 from rkvjax.config import ModelConfig
 
 _DTYPES = {
@@ -140,24 +143,46 @@ def _skippable(name: str, cfg: ModelConfig) -> bool:
     return re.fullmatch(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", name) is not None
 
 
-def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> Decoder:
-    """Reads a Hugging Face safetensors checkpoint into a Decoder with weights in `dtype`."""
+def _place(arr: np.ndarray, dtype, axes: tuple[str, ...], mesh, rules) -> jax.Array:
+    """A host tensor -> a device array, split over `mesh` by its logical `axes` if given."""
+    if mesh is None:
+        return jnp.asarray(arr, dtype=dtype)
+    host = np.asarray(arr, dtype=dtype)
+    # The callback hands each device its own index block, so no device holds the whole tensor.
+    return jax.make_array_from_callback(host.shape, rules.named(mesh, *axes), lambda idx: host[idx])
+
+
+def load_weights(
+    folder: str | Path,
+    cfg: ModelConfig,
+    dtype=jnp.float32,
+    *,
+    mesh=None,
+    rules: sharding.ShardingRules | None = None,
+) -> Decoder:
+    """Reads a Hugging Face safetensors checkpoint into a Decoder with weights in `dtype`.
+
+    With a `mesh`, each parameter is sharded by its logical axes (the `axes` metadata of its
+    `nnx.Param`) through `rules` (default: `sharding.check_divisible(cfg, mesh)`).
+    """
+    if mesh is not None and rules is None:
+        rules = sharding.check_divisible(cfg, mesh)
     folder = Path(folder)
     tensors = open_checkpoint(folder)
-    rules = expected_tensors(cfg)
-    extra = sorted(t for t in tensors if t not in rules and not _skippable(t, cfg))
+    table = expected_tensors(cfg)
+    extra = sorted(t for t in tensors if t not in table and not _skippable(t, cfg))
     if extra:
         raise CheckpointError(
             f"{folder}: unexpected tensor(s) {extra[:5]} for a {cfg.arch} model as config.json "
             f"describes it ({len(extra)} in all)"
         )
-    missing = [t for t in rules if t not in tensors]
+    missing = [t for t in table if t not in tensors]
     if missing:
         raise CheckpointError(f"{folder}: missing tensor(s) {missing[:5]} ({len(missing)} in all)")
     graphdef, spec = nnx.split(abstract_decoder(cfg, dtype))
     flat_spec = dict(nnx.to_flat_state(spec))
     values = {}
-    for name, (path, hf_shape, fn) in rules.items():
+    for name, (path, hf_shape, fn) in table.items():
         raw = tensors[name].get(name)
         if tuple(raw.shape) != hf_shape:
             raise CheckpointError(
@@ -165,7 +190,8 @@ def load_weights(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> Dec
                 "from config.json"
             )
         arr = fn(np.asarray(raw, dtype=np.float32))
-        values[path] = flat_spec[path].replace(jnp.asarray(arr, dtype=dtype))
+        axes = flat_spec[path].get_metadata()["axes"]
+        values[path] = flat_spec[path].replace(_place(arr, dtype, axes, mesh, rules))
     if values.keys() != flat_spec.keys():  # the rule table and the model must agree exactly
         raise AssertionError(f"rule table out of sync: {sorted(values.keys() ^ flat_spec.keys())}")
     return nnx.merge(graphdef, nnx.from_flat_state(list(values.items())))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rkvjax import engine
+from rkvjax import engine, sharding
 from rkvjax.config import METHODS, CompressionConfig, ModelConfig
 from rkvjax.sampling import SamplingConfig
 from rkvjax.tokenizer import Tokenizer
@@ -31,6 +32,8 @@ class Model:
     tokenizer: Tokenizer | None
     path: Path
     dtype: Any
+    mesh: jax.sharding.Mesh | None = None  # ("data", "model") the weights are split over
+    rules: sharding.ShardingRules | None = None  # how (set with mesh; vocab may be replicated)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -72,7 +75,9 @@ def load(path: str | Path | None = None, *, dtype=None, mesh=None) -> Model:
         file (converted once and cached), or None / "SmolLM2-135M-Instruct" for the default model.
       dtype: weight dtype, "float32" / "bfloat16" or a jnp dtype. Default: float32 on CPU,
         bfloat16 on GPU/TPU.
-      mesh: a `jax.sharding.Mesh` to shard over (not implemented yet: must be None).
+      mesh: a `("data", "model")` mesh (`rkvjax.sharding.make_mesh`) to split the weights
+        over: KV heads with their query heads, MLP hidden and vocab on "model"; `generate`
+        then splits batch rows over "data". Each tensor is placed straight into its shards.
 
     Returns:
       A Model.
@@ -80,14 +85,24 @@ def load(path: str | Path | None = None, *, dtype=None, mesh=None) -> Model:
     from rkvjax.convert.hf_config import read_hf_config
     from rkvjax.convert.hf_safetensors import load_weights
 
-    if mesh is not None:
-        raise NotImplementedError("loading onto a device mesh is not implemented yet")
     dtype = _default_dtype() if dtype is None else _as_dtype(dtype)
     folder = _resolve(path)
     cfg = read_hf_config(folder)
-    decoder = load_weights(folder, cfg, dtype)
+    if mesh is not None and tuple(mesh.axis_names) != sharding.MESH_AXES:
+        raise ValueError(
+            f"mesh axes must be {sharding.MESH_AXES}, got {tuple(mesh.axis_names)}; "
+            "use rkvjax.sharding.make_mesh"
+        )
+    rules = None if mesh is None else sharding.check_divisible(cfg, mesh)
+    decoder = load_weights(folder, cfg, dtype, mesh=mesh, rules=rules)
     return Model(
-        config=cfg, decoder=decoder, tokenizer=Tokenizer.from_dir(folder), path=folder, dtype=dtype
+        config=cfg,
+        decoder=decoder,
+        tokenizer=Tokenizer.from_dir(folder),
+        path=folder,
+        dtype=dtype,
+        mesh=mesh,
+        rules=rules,
     )
 
 
@@ -274,22 +289,56 @@ def _plan(
             f"a prompt of {min(map(len, ids))} tokens is shorter than window={cc.window}: "
             "compression needs that many observation queries"
         )
-    tokens, positions = _pad_left(ids, model.config.max_positions - max_new)
+    tokens, positions = _pad_left(_pad_rows(model, ids), model.config.max_positions - max_new)
     # FullKV holds the prompt bucket plus every new token but the last (never appended);
     # compressing methods hold budget + buffer (+ answer slots) whatever the length.
     capacity = cc.capacity if cc.compressing else tokens.shape[1] + max_new - 1
-    plan = engine.DecodePlan(compression=cc, capacity=capacity, max_new=max_new, **kw)
+    plan = engine.DecodePlan(
+        compression=cc, capacity=capacity, max_new=max_new, rules=model.rules, **kw
+    )
     return plan, tokens, positions
+
+
+def _pad_rows(model: Model, ids: list[list[int]]) -> list[list[int]]:
+    """On a mesh, pads the batch with copies of its first prompt to a multiple of the "data"
+    axis, so every device gets whole rows. Copies of a real prompt finish when it does (greedy)
+    and are valid input to every step; callers read only the first len(ids) rows back."""
+    if model.mesh is None or model.rules.batch is None:
+        return ids
+    data = model.mesh.shape[model.rules.batch]
+    return ids + [ids[0]] * (-len(ids) % data)
+
+
+def _on_mesh(model: Model):
+    """The model's mesh as the context mesh (jit traces see it; shard_map runs over it)."""
+    return contextlib.nullcontext() if model.mesh is None else jax.set_mesh(model.mesh)
+
+
+def _put_rows(model: Model, x) -> jax.Array:
+    """A host [B, ...] array on device: rows split over "data" on a mesh when they divide
+    (generate pads to make them), else replicated."""
+    x = np.asarray(x)
+    if model.mesh is None:
+        return jnp.asarray(x)
+    data = model.mesh.shape[model.rules.batch] if model.rules.batch else 1
+    axes = ("batch",) if x.shape[0] % data == 0 else (None,)
+    return jax.device_put(x, model.rules.named(model.mesh, *axes, *[None] * (x.ndim - 1)))
 
 
 def _run(model, plan, tokens, positions, key, given=None, *, progress=False, on_chunk=None):
     """Prefill + chunked decode. Returns (state, ttft_s, decode_s, compile_s)."""
+    with _on_mesh(model):
+        return _run_on_mesh(model, plan, tokens, positions, key, given, progress, on_chunk)
+
+
+def _run_on_mesh(model, plan, tokens, positions, key, given, progress, on_chunk):
     b, m = tokens.shape[0], plan.max_new
-    given = jnp.zeros((b, m), jnp.int32) if given is None else jnp.asarray(given, jnp.int32)
+    given = np.zeros((b, m), np.int32) if given is None else np.asarray(given, np.int32)
+    if given.shape[0] < b:  # rows _pad_rows added
+        given = np.concatenate([given, np.repeat(given[:1], b - given.shape[0], axis=0)])
+    given, tokens, positions = (_put_rows(model, x) for x in (given, tokens, positions))
     c0, t0 = engine.compile_seconds(), time.perf_counter()
-    state = engine.prefill(
-        model.decoder, jnp.asarray(tokens), jnp.asarray(positions), given, key, plan=plan
-    )
+    state = engine.prefill(model.decoder, tokens, positions, given, key, plan=plan)
     jax.block_until_ready(state.tokens)
     c1, t1 = engine.compile_seconds(), time.perf_counter()
     bar = _progress_bar(m, enabled=progress)
@@ -402,7 +451,7 @@ def generate(
         record_kept=record_kept,
     )
     b = len(ids)
-    stopped_by_string = np.zeros(b, bool)
+    stopped_by_string = np.zeros(tokens.shape[0], bool)  # padded rows included
 
     def check_stop_strings(state):
         hit = _rows_hitting_stop(model, state, stop)
@@ -423,7 +472,7 @@ def generate(
     out_tokens, num, comps, peak, kept = jax.device_get(
         (state.tokens, state.num, state.compressions, state.peak, state.kept)
     )
-    decoded = int(np.sum(num)) - b
+    decoded = int(np.sum(num[:b])) - b
     results = []
     for r in range(b):
         gen = out_tokens[r, : num[r]].tolist()
@@ -521,7 +570,7 @@ def score(
             )
     conts = [ids[n:] for ids, n in zip(seqs, lens, strict=True)]
     m = max(map(len, conts))
-    given = np.zeros((len(seqs), m), np.int32)
+    given = np.full((len(seqs), m), -1, np.int32)  # -1: past the row's continuation
     for r, c in enumerate(conts):
         given[r, : len(c)] = c
     cc = compression_config(method, budget, prompt_len=max(lens), max_new_tokens=m, **compression)
@@ -592,4 +641,7 @@ def logits(model: Model, token_ids) -> jax.Array:
     if arr.shape[1] > limit:
         raise ValueError(f"{arr.shape[1]} tokens exceed the model's {limit} positions")
     positions = np.broadcast_to(np.arange(arr.shape[1], dtype=np.int32), arr.shape)
-    return engine.forward_logits(model.decoder, jnp.asarray(arr, jnp.int32), jnp.asarray(positions))
+    with _on_mesh(model):
+        return engine.forward_logits(
+            model.decoder, _put_rows(model, arr.astype(np.int32)), _put_rows(model, positions)
+        )

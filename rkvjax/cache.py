@@ -17,6 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rkvjax import sharding
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,33 @@ class KVCache:
         """[B, K, 1, C]: slots holding a real token. Causality holds by construction in decode:
         every cached token precedes the query."""
         return (self.slot_pos[layer] >= 0)[:, :, None, :]
+
+
+# Logical axes of each leaf (per layer for the tuple fields): rows on "batch", KV heads and query
+# heads on the same mesh axis, slots never split (selection gathers along them).
+KV_AXES = ("batch", "kv_heads", "cache_slots", "head_dim")
+SLOT_AXES = ("batch", "kv_heads", "cache_slots")
+QWIN_AXES = ("batch", "q_heads", "window", "head_dim")
+ROW_AXES = ("batch",)
+
+
+def constrain(cache: KVCache, rules: sharding.ShardingRules | None) -> KVCache:
+    """The cache pinned to [B->data, K->model] (q_win [B->data, N->model]); a no-op without
+    rules. Decode inherits these shardings through the donated loop state."""
+    if rules is None:
+        return cache
+
+    def pin(xs, axes):
+        return tuple(sharding.constrain(x, rules, *axes) for x in xs)
+
+    return KVCache(
+        k=pin(cache.k, KV_AXES),
+        v=pin(cache.v, KV_AXES),
+        slot_pos=pin(cache.slot_pos, SLOT_AXES),
+        q_win=pin(cache.q_win, QWIN_AXES),
+        length=sharding.constrain(cache.length, rules, *ROW_AXES),
+        pos=sharding.constrain(cache.pos, rules, *ROW_AXES),
+    )
 
 
 def valid_first(idx: jax.Array, slot_pos: jax.Array) -> jax.Array:

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from rkvjax import api, jobs
+from rkvjax import api, jobs, sharding
 from rkvjax.config import METHODS
 
 
@@ -19,6 +19,14 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         help="Hugging Face folder or .gguf file (default: %(default)s, prepared on first use)",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument(
+        "--mesh",
+        type=_mesh_arg,
+        default=None,
+        metavar="data=D,model=M",
+        help="split over D x M devices: batch rows on data, heads / MLP / vocab on model "
+        "(D * M must equal the device count; default: one device)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=api.DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--method", choices=METHODS, default="rkv")
     p.add_argument(
@@ -44,6 +52,18 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="progress bar on stderr (default: when stderr is a terminal)",
     )
+
+
+def _mesh_arg(text: str) -> dict[str, int]:
+    try:
+        return sharding.parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _load(args: argparse.Namespace) -> api.Model:
+    mesh = None if args.mesh is None else sharding.make_mesh(**args.mesh)
+    return api.load(args.model, dtype=args.dtype, mesh=mesh)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,7 +113,7 @@ def _progress(args) -> bool:
 
 def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    model = api.load(args.model, dtype=args.dtype)
+    model = _load(args)
     load_s = time.perf_counter() - t0
     results = _generate_fn(args, model, _progress(args))(list(args.prompts))
     for prompt, r in zip(args.prompts, results, strict=True):
@@ -119,7 +139,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    model = api.load(args.model, dtype=args.dtype)
+    model = _load(args)
     ran, skipped = jobs.run_job(
         _generate_fn(args, model, progress=False),
         args.input,

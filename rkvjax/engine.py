@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import monitoring
 
 from rkvjax import cache as kv
-from rkvjax import layers, policy
+from rkvjax import layers, policy, sharding
 from rkvjax.config import CompressionConfig
 from rkvjax.sampling import SamplingConfig, sample
 
@@ -51,6 +51,9 @@ class DecodePlan:
     teacher: bool = False  # tokens are given: score them instead of sampling
     keep_dists: bool = False  # teacher mode: also keep every step's log-probabilities [V]
     record_kept: bool = False  # log the positions each compression kept, per layer and KV head
+    # On a mesh (the caller runs under `jax.set_mesh`): how the cache and the compression are
+    # split over it. None = one device, with no sharding constraint and no shard_map.
+    rules: sharding.ShardingRules | None = None
 
     @property
     def max_events(self) -> int:
@@ -75,6 +78,33 @@ class DecodeState:
     top1: jax.Array  # [B, M] int32 teacher mode: the argmax prediction; [B, 0] otherwise
     dists: jax.Array  # [B, M, V] f32 log-probs with keep_dists; [B, 0, 0] otherwise
     kept: jax.Array  # [B, E, L, K, budget] int32 positions kept by each compression (record_kept)
+
+
+def _constrain(s: DecodeState, rules: sharding.ShardingRules | None) -> DecodeState:
+    """Pins every leaf of the state (rows on "data", the cache also on "model"). Prefill and
+    each decode chunk end with it, so every chunk receives the shardings the previous one
+    returned and decode compiles once per generation on a mesh too."""
+    if rules is None:
+        return s
+
+    def rows(x):  # [B, ...]: rows split, the rest whole
+        return sharding.constrain(x, rules, "batch", *[None] * (x.ndim - 1))
+
+    return DecodeState(
+        cache=kv.constrain(s.cache, rules),
+        tokens=rows(s.tokens),
+        num=rows(s.num),
+        done=rows(s.done),
+        step=sharding.constrain(s.step, rules),
+        key=sharding.constrain(s.key, rules),
+        thinking=rows(s.thinking),
+        compressions=rows(s.compressions),
+        peak=rows(s.peak),
+        logprob=rows(s.logprob),
+        top1=rows(s.top1),
+        dists=rows(s.dists),
+        kept=rows(s.kept),
+    )
 
 
 def _causal_attend(positions: jax.Array):
@@ -146,16 +176,18 @@ def prefill(
     x, qkvs = model.hidden(tokens, positions, _causal_attend(positions), ())
     logits = model.head(x[:, -1:])[:, 0]  # [B, V]; left padding puts every row's last token here
     qs, ks, vs = (tuple(t) for t in zip(*qkvs, strict=True))
-    cache, squeezed = policy.prefill_cache(ks, vs, qs, positions, cc, plan.capacity)
+    cache, squeezed = policy.prefill_cache(ks, vs, qs, positions, cc, plan.capacity, plan.rules)
     b, m = tokens.shape[0], plan.max_new
     buf = given if plan.teacher else jnp.zeros((b, m), jnp.int32)
     first, logp, top1, dist = _next_token(logits, buf, 0, key, plan)
     v = logits.shape[-1]
-    return DecodeState(
+    state = DecodeState(
         cache=cache,
         tokens=buf.at[:, 0].set(first),
         num=jnp.ones((b,), jnp.int32),
-        done=(_is_stop(first, plan.stop_ids) & (not plan.teacher)) | (m == 1),
+        done=(_is_stop(first, plan.stop_ids) & (not plan.teacher))
+        | (m == 1)
+        | (plan.teacher & (buf[:, min(1, m - 1)] < 0)),
         step=jnp.asarray(1, jnp.int32),
         key=key,
         thinking=~_is_stop(first, _think_end(cc)),
@@ -172,6 +204,7 @@ def prefill(
             cc.budget,
         ),
     )
+    return _constrain(state, plan.rules)
 
 
 def _log_kept(kept: jax.Array, cache: kv.KVCache, fired: jax.Array, count: jax.Array, budget):
@@ -194,22 +227,28 @@ def _think_end(cc: CompressionConfig) -> tuple[int, ...]:
 
 
 def _decode_step(model, s: DecodeState, plan: DecodePlan) -> DecodeState:
-    cache, fired = policy.maybe_compress(s.cache, plan.compression, s.thinking)
+    cache, fired = policy.maybe_compress(
+        s.cache, plan.compression, s.thinking, plan.rules, active=~s.done
+    )
     last = jnp.take(s.tokens, s.step - 1, axis=1)  # [B]
     x, cache = model.hidden(last[:, None], cache.pos[:, None], _cache_attend, cache)
-    cache = kv.advance(cache)
+    # Pinned every step, so the loop carry keeps the prefill's [B->data, K->model] layout.
+    cache = kv.constrain(kv.advance(cache), plan.rules)
     tok, logp, top1, dist = _next_token(model.head(x)[:, 0], s.tokens, s.step, s.key, plan)
     tok = jnp.where(s.done, 0, tok)
+    # Teacher mode: a row whose continuation has no token at step + 1 (-1 pad) is done.
+    nxt = jnp.take(s.tokens, jnp.minimum(s.step + 1, plan.max_new - 1), axis=1)  # [B]
+    ended = (nxt < 0) & (s.step + 1 < plan.max_new) if plan.teacher else False
     return DecodeState(
         cache=cache,
         tokens=_record(s.tokens, tok, s.step),
         num=s.num + ~s.done,
-        done=s.done | (_is_stop(tok, plan.stop_ids) & (not plan.teacher)),
+        done=s.done | (_is_stop(tok, plan.stop_ids) & (not plan.teacher)) | ended,
         step=s.step + 1,
         key=s.key,
         thinking=s.thinking & ~_is_stop(tok, _think_end(plan.compression)),
         compressions=s.compressions + fired,
-        peak=jnp.maximum(s.peak, cache.length),
+        peak=jnp.where(s.done, s.peak, jnp.maximum(s.peak, cache.length)),
         logprob=_record(s.logprob, logp, s.step),
         top1=_record(s.top1, top1, s.step),
         dists=_record(s.dists, dist, s.step),
@@ -226,4 +265,5 @@ def decode(model, state: DecodeState, *, steps: int, plan: DecodePlan) -> Decode
     def cond(s: DecodeState) -> Any:
         return (s.step < end) & ~jnp.all(s.done)
 
-    return jax.lax.while_loop(cond, lambda s: _decode_step(model, s, plan), state)
+    state = jax.lax.while_loop(cond, lambda s: _decode_step(model, s, plan), state)
+    return _constrain(state, plan.rules)

@@ -186,32 +186,59 @@ def ragged_qk(llama, ragged):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", ["llama", "qwen2_gqa3"])
-def test_prefill_compression_matches_reference(model_of, kind, method):
-    """A prompt longer than the budget is compressed once after prefill, per (layer, KV head),
-    exactly as the reference selects from the prompt's keys and its last W queries."""
-    model = model_of(kind)
-    budget, n = 24, 40  # the 40-token prompt sits left-padded in a 64 bucket
-    prompt = _prompt(n, seed=11)
-    out = rkvjax.generate(
-        model, prompt, method=method, budget=budget, max_new_tokens=1, record_kept=True
+def test_prefill_compression_matches_reference(model_of, method):
+    """Prompts longer than the budget are compressed once after prefill, per (layer, KV head),
+    exactly as the reference selects from each prompt's keys and its last W queries.
+
+    Qwen2 with G = 3 query heads per KV head (the G = 2 Llama is covered by the RAGGED batch),
+    two rows left-padded by different amounts in a 64 bucket.
+    """
+    model = model_of("qwen2_gqa3")
+    budget, lengths = 24, (40, 52)
+    prompts = [_prompt(n, seed=11 + n) for n in lengths]
+    outs = rkvjax.generate(
+        model, prompts, method=method, budget=budget, max_new_tokens=1, record_kept=True
     )
-    assert out.stats.compressions == 1
-    kept = out.kept_positions  # [E, L, K, budget]
     cfg = model.config
-    assert kept.shape == (1, cfg.num_layers, cfg.kv_heads, budget)
-    qs, ks = _full_qk(model, [prompt], n)
-    held = [list(range(n))] * cfg.kv_heads
+    assert cfg.q_heads // cfg.kv_heads == 3
+    qs, ks = _full_qk(model, prompts, max(lengths))
     decisive = False
-    for layer in range(cfg.num_layers):
-        q, k = qs[layer][0], ks[layer][0]
-        want = _ref_keep(method, q, k, held, budget=budget)
-        np.testing.assert_array_equal(kept[0, layer], want, err_msg=f"layer {layer}")
-        if method == "rkv":
-            decisive |= _threshold_decides(q, k, held, budget)
-    # The prompt's near-duplicate keys cross the threshold and change what R-KV keeps, so the
+    for r, (n, out) in enumerate(zip(lengths, outs, strict=True)):
+        assert out.stats.compressions == 1
+        kept = out.kept_positions  # [E, L, K, budget]
+        assert kept.shape == (1, cfg.num_layers, cfg.kv_heads, budget)
+        held = [list(range(n))] * cfg.kv_heads
+        for layer in range(cfg.num_layers):
+            q, k = qs[layer][r], ks[layer][r]
+            want = _ref_keep(method, q, k, held, budget=budget)
+            np.testing.assert_array_equal(kept[0, layer], want, err_msg=f"row {r} layer {layer}")
+            if method == "rkv":
+                decisive |= _threshold_decides(q, k, held, budget)
+    # The prompts' near-duplicate keys cross the threshold and change what R-KV keeps, so the
     # comparison covers the newest-match zeroing, not only the smooth part of the score.
     assert decisive or method != "rkv"
+
+
+@pytest.mark.slow
+def test_prefill_compression_matches_reference_smollm2(smol):
+    """The same on the real default model (30 layers, G = 3, head_dim 64), whose keys are far
+    from random: a reasoning-style prompt that repeats itself gives many near-duplicates."""
+    text = (
+        "Wait, let me check that again. 12 + 7 = 19. Wait, let me check that again: 12 + 7 = 19. "
+        "So the answer is 19. Let me verify once more: 12 + 7 = 19."
+    )
+    ids = smol.tokenizer.encode(text)
+    budget, n = 24, len(ids)
+    out = rkvjax.generate(smol, ids, budget=budget, max_new_tokens=1, record_kept=True)
+    qs, ks = _full_qk(smol, [ids], n)
+    held = [list(range(n))] * smol.config.kv_heads
+    decisive = 0
+    for layer in range(smol.config.num_layers):
+        q, k = qs[layer][0], ks[layer][0]
+        want = _ref_keep("rkv", q, k, held, budget=budget)
+        np.testing.assert_array_equal(out.kept_positions[0, layer], want, err_msg=f"layer {layer}")
+        decisive += _threshold_decides(q, k, held, budget)
+    assert decisive >= 1
 
 
 def test_first_decode_compression_matches_reference(ragged, ragged_qk):
@@ -257,9 +284,8 @@ def test_every_layer0_compression_matches_replay(ragged, ragged_qk):
 def test_ragged_rows_compress_on_their_own_schedule(ragged):
     """Rows at different fill levels give exactly what each prompt gives alone: tokens,
     compression counts and kept positions (each row compresses when its own cache is full)."""
-    prompts, batch, alone = ragged
-    counts = [res.stats.compressions for res in batch]
-    assert len(set(counts)) > 1 or len({len(p) for p in prompts}) == 1  # schedules differ
+    _, batch, alone = ragged
+    assert len({res.stats.compressions for res in batch}) == len(batch)  # three schedules
     for r, (got, want) in enumerate(zip(batch, alone, strict=True)):
         assert got.token_ids == want.token_ids, f"row {r}"
         assert got.stats.compressions == want.stats.compressions, f"row {r}"
@@ -283,14 +309,17 @@ def fullkv_run(llama, no_eviction_prompts):
     return rkvjax.generate(llama, no_eviction_prompts, method="full", max_new_tokens=64)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_budget_above_generation_equals_fullkv(llama, no_eviction_prompts, fullkv_run, method):
-    """budget > prompt + max_new_tokens: nothing is ever evicted, so every method is FullKV."""
-    budget = 21 + 64 + 1
+# 1.0 is a float budget: the whole generation of the longest row, 21 + 64 = 85 tokens.
+@pytest.mark.parametrize("method, budget", [("rkv", 1.0), ("snapkv", 86), ("streaming", 86)])
+def test_budget_above_generation_equals_fullkv(
+    llama, no_eviction_prompts, fullkv_run, method, budget
+):
+    """A budget that holds the whole generation never evicts: every method is FullKV."""
     out = rkvjax.generate(
         llama, no_eviction_prompts, method=method, budget=budget, buffer=BUFFER, max_new_tokens=64
     )
     for got, want in zip(out, fullkv_run, strict=True):
+        assert got.stats.budget == (85 if budget == 1.0 else budget)
         assert got.token_ids == want.token_ids
         assert got.stats.compressions == 0
         assert got.stats.peak_cache_slots == want.stats.peak_cache_slots
@@ -369,21 +398,44 @@ def test_compression_count_follows_schedule(ragged, long_runs):
     """stats.compressions = the prompt's compression (when longer than the budget) + one per
     append that finds the cache full. Covers p < budget, p == budget, p > budget, and row 9 of
     RAGGED whose cache becomes full on the very last append (no compression for it)."""
-    prompts, batch, _ = ragged
+    _, batch, _ = ragged
     first, second, _, _ = long_runs
-    runs = [(prompts, batch, RAGGED_NEW)]
-    runs += [([[0] * r.stats.prompt_tokens for r in rs], rs, 300) for rs in (first, second)]
+    runs = [(batch, RAGGED_NEW), (first, 300), (second, 300)]
     seen = set()
-    for ps, results, m in runs:
-        for p, res in zip(ps, results, strict=True):
-            want = _expected_compressions(len(p), m, BUDGET, BUFFER)
-            assert res.stats.compressions == want, (len(p), m)
-            seen.add((len(p) > BUDGET, len(p) == BUDGET))
-            if res.kept_positions is not None:
-                assert res.kept_positions.shape[0] == want
+    for results, m in runs:
+        for res in results:
+            p = res.stats.prompt_tokens
+            want = _expected_compressions(p, m, BUDGET, BUFFER)
+            assert res.stats.compressions == want, (p, m)
+            seen.add((p > BUDGET, p == BUDGET))
     assert seen == {(False, False), (False, True), (True, False)}
+    for res in batch:  # the log holds one entry per compression
+        assert res.kept_positions.shape[0] == res.stats.compressions
     # The boundary case: 9 + 39 appended tokens fill the cache exactly at the end.
     assert (RAGGED_NEW - 1 - (TRIGGER - 9)) % BUFFER == 0
+
+
+def test_stopped_row_stops_compressing(llama, ragged):
+    """A row that hits a stop token while the others go on is done: its stats and kept log are
+    those of its own generation, not of steps run after it stopped."""
+    prompts, batch, alone = ragged
+    gen = alone[0].token_ids
+    # A token row 0 emits first after its first compression (step 16) and the others never.
+    others = {t for res in batch[1:] for t in res.token_ids}
+    at = next(i for i in range(16, len(gen)) if gen.index(gen[i]) == i and gen[i] not in others)
+    out = rkvjax.generate(llama, prompts, stop_token_ids=[gen[at]], **RAGGED_KW)
+    for r in (1, 2):  # unaffected rows: exactly as alone
+        assert out[r].token_ids == alone[r].token_ids
+        assert out[r].stats.compressions == alone[r].stats.compressions
+        np.testing.assert_array_equal(out[r].kept_positions, alone[r].kept_positions)
+    stopped = out[0]
+    assert stopped.token_ids == gen[: at + 1] and stopped.finish_reason == "stop"
+    count = _expected_compressions(len(prompts[0]), at + 1, BUDGET, BUFFER)
+    assert 0 < count < alone[0].stats.compressions
+    assert stopped.stats.compressions == count
+    np.testing.assert_array_equal(stopped.kept_positions, alone[0].kept_positions[:count])
+    # Its last append was token at - 1, at step `at`.
+    assert stopped.stats.peak_cache_slots == min(TRIGGER, len(prompts[0]) + at)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,24 +454,49 @@ def test_score_full_equals_logits(llama):
     assert res.compressions == 0
 
 
-def test_score_replays_greedy_generation(llama, ragged):
-    """Teacher-forcing the tokens greedy rkv generated, with the same budget and buffer, gives
-    those tokens as argmax at every step and the same compressions; a batch scores each row as
-    it scores alone."""
+CUT = 25  # scored tokens of RAGGED row 0: two compressions (steps 16, 24) where generating had 3
+SCORE_KW = dict(method="rkv", budget=BUDGET, buffer=BUFFER)
+
+
+@pytest.fixture(scope="module")
+def ragged_scored(llama, ragged):
+    """The RAGGED generations teacher-forced back under the same policy, row 0 cut to its first
+    CUT tokens: (sequences, prompt lengths, batch ScoreResults)."""
     prompts, batch, _ = ragged
     seqs = [p + r.token_ids for p, r in zip(prompts, batch, strict=True)]
+    seqs[0] = seqs[0][: len(prompts[0]) + CUT]
     lens = [len(p) for p in prompts]
-    kw = dict(method="rkv", budget=BUDGET, buffer=BUFFER)
-    scored = rkvjax.score(llama, seqs, prompt_len=lens, **kw)
+    return seqs, lens, rkvjax.score(llama, seqs, prompt_len=lens, **SCORE_KW)
+
+
+def test_score_replays_greedy_generation(ragged, ragged_scored):
+    """Teacher-forcing the tokens greedy rkv generated, with the same budget and buffer, gives
+    those tokens as argmax at every step and the same compressions."""
+    _, batch, _ = ragged
+    seqs, lens, scored = ragged_scored
     for r, (res, gen) in enumerate(zip(scored, batch, strict=True)):
-        np.testing.assert_array_equal(res.top1, gen.token_ids, err_msg=f"row {r}")
-        assert res.compressions == gen.stats.compressions
-        assert res.peak_cache_slots == gen.stats.peak_cache_slots
+        n = len(seqs[r]) - lens[r]
+        assert len(res.top1) == n
+        np.testing.assert_array_equal(res.top1, gen.token_ids[:n], err_msg=f"row {r}")
         assert np.all(np.isfinite(res.logprobs)) and np.all(res.logprobs <= 0)
-        alone = rkvjax.score(llama, seqs[r], prompt_len=lens[r], **kw)
-        np.testing.assert_allclose(alone.logprobs, res.logprobs, atol=1e-5, err_msg=f"row {r}")
-        np.testing.assert_array_equal(alone.top1, res.top1)
-        assert alone.compressions == res.compressions
+        if n == len(gen.token_ids):  # the whole generation: the same cache history
+            assert res.compressions == gen.stats.compressions, f"row {r}"
+            assert res.peak_cache_slots == gen.stats.peak_cache_slots, f"row {r}"
+
+
+def test_batched_score_equals_row_alone(llama, ragged_scored):
+    """A batch scores a row as it scores alone, though the row sits in the 32 bucket in the batch
+    and in the 16 bucket alone, and its continuation is shorter than the others': it stops at its
+    own last token (no compressions after it)."""
+    seqs, lens, scored = ragged_scored
+    res, alone = scored[0], rkvjax.score(llama, seqs[0], prompt_len=lens[0], **SCORE_KW)
+    np.testing.assert_allclose(res.logprobs, alone.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(res.top1, alone.top1)
+    assert alone.compressions == _expected_compressions(lens[0], CUT, BUDGET, BUFFER) == 2
+    assert (res.compressions, res.peak_cache_slots) == (
+        alone.compressions,
+        alone.peak_cache_slots,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,8 +529,7 @@ def test_think_only_stops_compressing_after_end_token(llama, ragged):
     assert 0 < done < normal.stats.compressions
     assert think.stats.compressions == done
     np.testing.assert_array_equal(think.kept_positions, normal.kept_positions[:done])
-    # The answer is kept whole: the cache grows past budget + buffer and holds every position
-    # from the last compression's window on.
+    # The answer is not evicted: the cache grows past budget + buffer into the answer slots.
     assert think.stats.peak_cache_slots > TRIGGER
 
 
@@ -479,22 +555,24 @@ def test_think_only_stops_compressing_after_end_token(llama, ragged):
     ],
 )
 def test_bad_settings_rejected_before_tracing(llama, kwargs, match):
+    """Each bad setting raises a ValueError naming it, before prefill or decode is traced."""
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", _prompt(20, 61))
     before = collections.Counter(engine.TRACES)
     with pytest.raises(ValueError, match=match):
         rkvjax.generate(llama, prompt, max_new_tokens=16, **kwargs)
-    assert engine.TRACES == before
+    assert before == engine.TRACES
 
 
 def test_bad_score_settings_rejected_before_tracing(llama):
+    """score() validates like generate(): a budget within the window, a prompt shorter than it."""
     seq = _prompt(30, 62)
     before = collections.Counter(engine.TRACES)
     with pytest.raises(ValueError, match="must be larger than window"):
         rkvjax.score(llama, seq, prompt_len=20, budget=8)
     with pytest.raises(ValueError, match="shorter than window=8"):
         rkvjax.score(llama, seq, prompt_len=5, budget=16)
-    assert engine.TRACES == before
+    assert before == engine.TRACES
 
 
 # ---------------------------------------------------------------------------------------------

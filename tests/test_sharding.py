@@ -1,0 +1,182 @@
+"""Data + tensor parallel runs over a ("data", "model") mesh of 8 CPU devices equal one device."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rkvjax
+from rkvjax import cache as kv
+from rkvjax import cli, policy, sharding
+from rkvjax.config import CompressionConfig
+from tests.hf_tiny import VOCAB
+from tests.tolerances import SELF_ATOL
+
+# "llama" has 4 query heads, 2 KV heads, MLP 128, vocab 97: model in (1, 2); vocab replicated.
+MESHES = [(8, 1), (4, 2), (2, 2), (1, 2)]
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+# Three ragged rows (padded to a multiple of data=4 or 8 with dummy rows); the longest prompt is
+# over the budget, so the prompt is compressed once and decode compresses every 8 steps.
+PROMPTS = [np.random.RandomState(0).randint(0, VOCAB, n).tolist() for n in (9, 20, 33)]
+GEN = dict(budget=16, buffer=8, max_new_tokens=24, ignore_eos=True)
+
+
+def _mesh(data: int, model: int):
+    return sharding.make_mesh(data, model, devices=jax.devices()[: data * model])
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_checkpoint):
+    return tiny_checkpoint("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def single(folder):
+    return rkvjax.load(folder, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def load_sharded(folder):
+    made = {}
+
+    def load(data: int, model: int):
+        if (data, model) not in made:
+            made[data, model] = rkvjax.load(folder, dtype="float32", mesh=_mesh(data, model))
+        return made[data, model]
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def reference(single):
+    """method -> one-device generation of PROMPTS (computed once per method)."""
+    done = {}
+
+    def get(method: str):
+        if method not in done:
+            done[method] = rkvjax.generate(single, PROMPTS, method=method, **GEN)
+        return done[method]
+
+    return get
+
+
+def test_weights_are_sharded(load_sharded):
+    m = load_sharded(4, 2)
+    wq = m.decoder.layers[0].attn.wq[...]  # [D, N, H]
+    assert wq.sharding.spec == m.rules.spec("embed", "q_heads", "head_dim")
+    assert tuple(wq.sharding.spec) == (None, "model", None)
+    assert {s.data.shape for s in wq.addressable_shards} == {(64, 2, 16)}  # half the heads
+    down = m.decoder.layers[0].mlp.down[...]  # [F, D]
+    assert {s.data.shape for s in down.addressable_shards} == {(64, 64)}
+    # 97 does not split over 2 devices: the vocab axis is replicated instead of refused.
+    assert m.rules.vocab is None
+    assert {s.data.shape for s in m.decoder.embed[...].addressable_shards} == {(VOCAB, 64)}
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+def test_logits_match_one_device(single, load_sharded, shape):
+    ids = np.array(PROMPTS[2][:32]).reshape(4, 8) if shape[0] <= 4 else [PROMPTS[2]] * 8
+    want = np.asarray(rkvjax.logits(single, ids))
+    got = rkvjax.logits(load_sharded(*shape), ids)
+    np.testing.assert_allclose(np.asarray(got), want, atol=SELF_ATOL[jnp.float32], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape,method",
+    [
+        ((4, 2), "full"),
+        ((4, 2), "rkv"),
+        ((2, 2), "snapkv"),
+        ((1, 2), "streaming"),
+    ],
+    ids=str,
+)
+def test_generate_matches_one_device(reference, load_sharded, shape, method):
+    want = reference(method)
+    got = rkvjax.generate(load_sharded(*shape), PROMPTS, method=method, **GEN)
+    assert len(got) == len(PROMPTS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.stats.compressions for r in got] == [r.stats.compressions for r in want]
+    if method != "full":
+        assert min(r.stats.compressions for r in got) >= 1  # prompt and decode
+        assert max(r.stats.compressions for r in got) >= 2
+    assert got[0].stats.batch_size == len(PROMPTS)  # dummy rows are not reported
+
+
+def _random_cache(rs, *, layers=1, b=4, k=2, n=4, c=24, h=16, w=8):
+    def normal(*shape):
+        return jnp.asarray(rs.normal(size=shape), jnp.float32)
+
+    sp = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, k, c))
+    return kv.KVCache(
+        k=tuple(normal(b, k, c, h) for _ in range(layers)),
+        v=tuple(normal(b, k, c, h) for _ in range(layers)),
+        slot_pos=tuple(sp + 0 for _ in range(layers)),
+        q_win=tuple(normal(b, n, w, h) for _ in range(layers)),
+        length=jnp.full((b,), c, jnp.int32),
+        pos=jnp.full((b,), c, jnp.int32),
+    )
+
+
+def test_compression_compiles_without_collectives():
+    """The shard_map'd compression is per device; the automatic partitioner would gather."""
+    mesh, rules = _mesh(4, 2), sharding.DEFAULT_RULES
+    cc = CompressionConfig(method="rkv", budget=16, buffer=8, window=8)
+    cache = _random_cache(np.random.RandomState(0))
+    rows = jnp.array([True, False, True, True])
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(lambda c: kv.constrain(c, rules))(cache)
+        assert sharded.k[0].sharding.is_equivalent_to(rules.named(mesh, *kv.KV_AXES), 4)
+        local = jax.jit(lambda c, r: policy._compress_rows(c, r, cc, rules))
+        local = local.lower(sharded, rows).compile()
+        auto = jax.jit(lambda c, r: policy._compress_rows(c, r, cc))  # no shard_map
+        auto = auto.lower(sharded, rows).compile()
+        got, want = local(sharded, rows), auto(sharded, rows)
+    assert not [op for op in COLLECTIVES if op in local.as_text()]
+    assert [op for op in COLLECTIVES if op in auto.as_text()]  # the check can see collectives
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_divisibility_errors(single, folder):
+    mesh = _mesh(4, 2)
+    cfg = dataclasses.replace(single.config, q_heads=6, kv_heads=3)
+    with pytest.raises(
+        ValueError,
+        match=r"3 KV heads cannot be split over model=2 devices; "
+        r"use model in \(1, 3\)",
+    ):
+        sharding.check_divisible(cfg, mesh)
+    cfg = dataclasses.replace(single.config, ffw=99)
+    with pytest.raises(ValueError, match=r"99 MLP hidden units .* model in \(1, 3\)"):
+        sharding.check_divisible(cfg, mesh)
+    with pytest.raises(ValueError, match="batch of 3 rows cannot be split over data=4"):
+        sharding.check_divisible(single.config, mesh, batch=3)
+    assert sharding.check_divisible(single.config, mesh, batch=8).vocab is None
+    with pytest.raises(ValueError, match=r"2 KV heads cannot be split over model=4"):
+        rkvjax.load(folder, mesh=_mesh(2, 4))
+    with pytest.raises(ValueError, match="needs 9 devices, but there are 8"):
+        sharding.make_mesh(3, 3)
+    with pytest.raises(ValueError, match="use a mesh axis twice"):
+        sharding.DEFAULT_RULES.spec("q_heads", "kv_heads")
+    with pytest.raises(ValueError, match="unknown logical axis"):
+        sharding.DEFAULT_RULES.spec("heads")
+
+
+def test_cli_mesh(folder, capsys):
+    args = cli._parser().parse_args(
+        ["generate", "hi", "--model", str(folder), "--mesh", "data=4,model=2"]
+    )
+    assert args.mesh == {"data": 4, "model": 2}
+    model = cli._load(args)
+    assert dict(model.mesh.shape) == {"data": 4, "model": 2}
+    assert cli._parser().parse_args(["generate", "hi", "--mesh", "model=8"]).mesh == {
+        "data": 1,
+        "model": 8,
+    }
+    for bad in ("data=2;model=4", "data=2,gpu=4", "data=x", "data=2,data=2", "data=0"):
+        with pytest.raises(SystemExit):
+            cli._parser().parse_args(["generate", "hi", "--mesh", bad])
+        assert "--mesh" in capsys.readouterr().err
