@@ -45,12 +45,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--hf-bf16-repeats", type=int, default=1, help="repeats of the slow bf16 HF baseline"
     )
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument(
+        "--hf-threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="torch thread counts to time (default: all cores, and 1); the fastest is the baseline",
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny random model (CI smoke run)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array for the bandwidth probe")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON lines are appended here")
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2: decode speed is measured from t(N) - t(1)")
+    if args.hf_threads is None:
+        cores = os.cpu_count() or 1
+        # One thread as well: on a shared machine a descheduled OpenMP thread stalls torch at
+        # every barrier, and the baseline should be the best transformers can do here.
+        args.hf_threads = [cores, 1] if cores > 1 else [1]
     if args.tiny and args.bandwidth_mib == 1024:
         args.bandwidth_mib = 256  # the smoke run must stay well under a minute
     return args
@@ -177,23 +189,24 @@ def rkvjax_runner(model, batch_ids):
     return run
 
 
-def load_hf(path: Path, dtype: str, threads: int):
+def load_hf(path: Path, dtype: str):
     import torch
     import transformers as tf
 
-    torch.set_num_threads(threads)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return hf.eval()
 
 
-def hf_runner(hf, batch_ids):
-    """n -> (generated token ids per row, None): `generate`, greedy, its default DynamicCache."""
+def hf_runner(hf, batch_ids, threads: int):
+    """n -> (generated token ids per row, None): `generate`, greedy, its default DynamicCache,
+    on `threads` torch threads."""
     import torch
 
     ids = torch.tensor(batch_ids, dtype=torch.long)  # equal-length rows: no padding
     mask = torch.ones_like(ids)
 
     def run(n):
+        torch.set_num_threads(threads)
         with torch.inference_mode():
             out = hf.generate(
                 input_ids=ids,
@@ -287,11 +300,12 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
     n = args.new_tokens
     runners, repeats = {"rkvjax": rkvjax_runner(model, batch_ids)}, {"rkvjax": args.repeats}
     if hf is not None:
-        runners["hf"] = hf_runner(hf, batch_ids)
         # transformers in bfloat16 on CPU can be very slow: time it fewer times.
-        repeats["hf"] = (
-            args.repeats if dtype == "float32" else min(args.repeats, args.hf_bf16_repeats)
-        )
+        hf_reps = args.repeats if dtype == "float32" else min(args.repeats, args.hf_bf16_repeats)
+        for threads in args.hf_threads:
+            runners[f"hf{threads}"] = hf_runner(hf, batch_ids, threads)
+            repeats[f"hf{threads}"] = hf_reps
+    load_start = os.getloadavg()[0]
     t = time_engines(runners, repeats, n, timer)
     rk = t["rkvjax"]
     capacity = rk["stats"].cache_capacity  # static C: prompt bucket + N - 1 slots
@@ -325,7 +339,10 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
         "hf_ttft_s": None,
         "hf_t_new_tokens_s": None,
         "hf_repeats": None,
+        "hf_threads": None,
+        "hf_by_threads": None,
         "speedup_vs_hf": None,
+        "speedup_vs_hf_all_cores": None,
         "greedy_agreement_vs_hf": None,
         "bandwidth_gbs": bw["gbs"],
         "bandwidth_numpy_gbs": bw["numpy_gbs"],
@@ -336,18 +353,34 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
         "bytes_per_step": step_bytes,
         "roofline_steps_per_s": roofline,
         "roofline_fraction": rk_steps / roofline,
+        # Other processes on the machine skew both engines, multi-threaded torch the most (a
+        # descheduled OpenMP thread stalls every barrier): read the numbers with these.
+        "load_avg_1m_start": load_start,
+        "load_avg_1m_end": os.getloadavg()[0],
     }
     if hf is not None:
-        h = t["hf"]
-        hf_steps = _steps_per_s(h, n)
+        by_threads = {
+            th: {
+                "steps_per_s": _steps_per_s(t[f"hf{th}"], n),
+                "ttft_s": t[f"hf{th}"]["t1"],
+                "t_new_tokens_s": t[f"hf{th}"]["tn"],
+            }
+            for th in args.hf_threads
+        }
+        best = max(by_threads, key=lambda th: by_threads[th]["steps_per_s"])
+        h, hf_steps = by_threads[best], by_threads[best]["steps_per_s"]
+        all_cores = by_threads.get(os.cpu_count() or 1)
         row.update(
             hf_steps_per_s=hf_steps,
             hf_tokens_per_s=hf_steps * batch,
-            hf_ttft_s=h["t1"],
-            hf_t_new_tokens_s=h["tn"],
-            hf_repeats=repeats["hf"],
+            hf_ttft_s=h["ttft_s"],
+            hf_t_new_tokens_s=h["t_new_tokens_s"],
+            hf_repeats=hf_reps,
+            hf_threads=best,
+            hf_by_threads={str(th): v for th, v in by_threads.items()},
             speedup_vs_hf=rk_steps / hf_steps,
-            greedy_agreement_vs_hf=_agreement(rk["tokens"], h["tokens"]),
+            speedup_vs_hf_all_cores=all_cores and rk_steps / all_cores["steps_per_s"],
+            greedy_agreement_vs_hf=_agreement(rk["tokens"], t[f"hf{best}"]["tokens"]),
         )
     row.update(_peak_memory())
     return row
@@ -372,19 +405,22 @@ def _table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, fmt)
 
     head = (
-        f"{'batch':>5} {'dtype':>8} {'rkv tok/s':>9} {'steps/s':>7} {'hf tok/s':>8} {'ratio':>5} "
+        f"{'batch':>5} {'dtype':>8} {'rkv tok/s':>9} {'steps/s':>7} {'hf tok/s':>8} "
+        f"{'hf thr':>6} {'ratio':>5} "
         f"{'ttft rkv':>8} {'ttft hf':>7} {'MB/step':>7} {'roof st/s':>9} {'roof %':>6} "
-        f"{'compile':>7}"
+        f"{'compile':>7} {'load':>4}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['batch']:>5} {r['dtype']:>8} {r['rkvjax_tokens_per_s']:>9.1f} "
             f"{r['rkvjax_steps_per_s']:>7.1f} {f(r['hf_tokens_per_s'], '8.1f'):>8} "
+            f"{f(r['hf_threads'], 'd'):>6} "
             f"{f(r['speedup_vs_hf'], '5.2f'):>5} {r['rkvjax_ttft_s'] * 1e3:>6.0f}ms "
             f"{f(r['hf_ttft_s'] and r['hf_ttft_s'] * 1e3, '5.0f'):>5}ms "
             f"{r['bytes_per_step'] / 1e6:>7.0f} {r['roofline_steps_per_s']:>9.1f} "
-            f"{r['roofline_fraction'] * 100:>5.0f}% {r['rkvjax_compile_s']:>6.1f}s"
+            f"{r['roofline_fraction'] * 100:>5.0f}% {r['rkvjax_compile_s']:>6.1f}s "
+            f"{r['load_avg_1m_start']:>4.1f}"
         )
     return "\n".join(lines)
 
@@ -393,6 +429,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     threads = os.cpu_count() or 1
     timer = CompileTimer()
+    if os.getloadavg()[0] > threads / 2:
+        print(
+            f"warning: load average {os.getloadavg()[0]:.1f} on {threads} cores: other processes "
+            "will slow both engines (multi-threaded torch the most)",
+            file=sys.stderr,
+        )
     bw = measure_bandwidth(args.bandwidth_mib)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
@@ -405,7 +447,7 @@ def main(argv=None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         for dtype in args.dtype:
             model = rkvjax.load(path, dtype=dtype)
-            hf = None if args.no_hf else load_hf(model.path, dtype, threads)
+            hf = None if args.no_hf else load_hf(model.path, dtype)
             for batch in args.batch:
                 row = {**bench_config(model, hf, name, dtype, batch, args, bw, timer), **meta}
                 line = json.dumps(row)
@@ -418,7 +460,7 @@ def main(argv=None) -> None:
         f"\nbandwidth {bw['gbs']:.1f} GB/s (numpy {bw['numpy_gbs']:.1f}, numpy x{threads} "
         f"threads {bw['numpy_threads_gbs']:.1f}, jax {bw['jax_gbs']:.1f}); "
         f"new tokens {args.new_tokens}; steps/s = (N-1)/(t(N)-t(1)); "
-        f"ratio = rkvjax/transformers steps/s; torch threads {threads}",
+        "ratio = rkvjax / fastest transformers steps/s; hf thr = its torch threads",
         file=sys.stderr,
     )
     print(_table(rows), file=sys.stderr)

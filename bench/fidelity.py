@@ -241,8 +241,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ylabel="mean KL(FullKV || method), nats",
         title=title,
     )
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
     ax2.set_yscale("log")
     save(fig, path)
     plt.close(fig)

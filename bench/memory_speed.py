@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="default: all four")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--buffer", type=int, default=128)
     p.add_argument("--window", type=int, default=8)
@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-cap-gb", type=float, default=4.0, help="memory cap of part (b), GiB")
     p.add_argument("--gen-tokens", type=int, default=16384, help="generation length of (b)")
     p.add_argument("--gen-prompt", type=int, default=128, help="prompt tokens of (b)")
+    p.add_argument(
+        "--fit-batches", type=int, nargs=2, default=[4, 8], help="batches of the (b) fit"
+    )
     p.add_argument("--skip-speed", action="store_true", help="only part (b)")
     p.add_argument("--skip-capacity", action="store_true", help="only part (a)")
     p.add_argument("--data", type=Path, default=DATA, help="text for the prompts (math500.jsonl)")
@@ -59,13 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tiny:
         # Every method still compresses twice per timed decode; outputs go to a scratch folder.
         scratch = Path(tempfile.mkdtemp(prefix="rkvjax-memory-speed-"))
-        args.contexts = [c for c in args.contexts if c <= 256] or [128, 256]
+        # Compilation dominates a tiny run: one context, and FullKV against R-KV only.
+        args.methods = args.methods or ["full", "rkv"]
+        args.contexts = [c for c in args.contexts if c <= 256] or [256]
         args.new_tokens, args.budget, args.buffer = 32, 32, 16
         args.repeats = min(args.repeats, 2)
         args.gen_tokens, args.gen_prompt = 2048, 16
         args.mem_cap_gb = min(args.mem_cap_gb, 0.05)
         args.out = args.out or scratch / "memory_speed.jsonl"
         args.plot = args.plot or scratch / "memory_speed.png"
+    args.methods = args.methods or list(METHODS)
     args.out = args.out or RESULTS / "memory_speed.jsonl"
     args.plot = args.plot or RESULTS / "memory_speed.png"
     if args.new_tokens < 2:
@@ -284,22 +290,28 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def decode_memory(model, plan, batch: int, prompt: int) -> dict:
-    """Compile-only memory of one decode chunk (and of the prefill) at `batch` rows.
+def compiled_memory(model, plan, batch: int, prompt: int, parts=("decode",)) -> dict:
+    """Compile-only memory of a decode chunk (and optionally the prefill) at `batch` rows.
 
     Peak = arguments (weights + state) + outputs not aliased to a donated argument + XLA's
-    temporaries, as `Compiled.memory_analysis()` reports them. Nothing runs.
+    temporaries, as `Compiled.memory_analysis()` reports them. Nothing runs: the state is
+    abstract (`jax.eval_shape` of the prefill).
     """
     tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
     given = jax.ShapeDtypeStruct((batch, plan.max_new), jnp.int32)
     key = jax.random.key(0)
     pre = functools.partial(engine.prefill, plan=plan)
     state = jax.eval_shape(pre, model.decoder, tokens, tokens, given, key)
-    out = {}
-    for name, lowered in (
-        ("prefill", engine.prefill.lower(model.decoder, tokens, tokens, given, key, plan=plan)),
-        ("decode", engine.decode.lower(model.decoder, state, steps=api._CHUNK, plan=plan)),
-    ):
+    out = {"state_bytes": tree_bytes(state), "cache_bytes": tree_bytes(state.cache)}
+    for name in parts:
+        if name == "prefill":
+            lowered = engine.prefill.lower(model.decoder, tokens, tokens, given, key, plan=plan)
+        elif name == "compress":  # the compression step alone, to attribute the temporaries
+            rows = jax.ShapeDtypeStruct((batch,), jnp.bool_)
+            fn = jax.jit(policy._compress_rows, static_argnums=2)
+            lowered = fn.lower(state.cache, rows, plan.compression)
+        else:
+            lowered = engine.decode.lower(model.decoder, state, steps=api._CHUNK, plan=plan)
         ma = lowered.compile().memory_analysis()
         args_b, out_b = ma.argument_size_in_bytes, ma.output_size_in_bytes
         alias_b, temp_b = ma.alias_size_in_bytes, ma.temp_size_in_bytes
@@ -310,24 +322,25 @@ def decode_memory(model, plan, batch: int, prompt: int) -> dict:
             "temp_bytes": temp_b,
             "peak_bytes": args_b + out_b - alias_b + temp_b,
         }
-    out["state_bytes"] = tree_bytes(state)
-    out["cache_bytes"] = tree_bytes(state.cache)
-    out["peak_bytes"] = max(out["prefill"]["peak_bytes"], out["decode"]["peak_bytes"])
+    out["peak_bytes"] = max(out[n]["peak_bytes"] for n in parts if n != "compress")
     return out
 
 
 def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
-    """Part (b): the largest batch whose prefill and decode fit --mem-cap-gb for a generation of
-    --gen-tokens after a --gen-prompt prompt, from compile-only memory analysis.
+    """Part (b): the largest batch whose decode (and prefill) fit --mem-cap-gb for a generation
+    of --gen-tokens after a --gen-prompt prompt, from compile-only memory analysis.
 
-    Peak memory is affine in the batch (weights once, cache and temporaries per row): it is
-    measured at 1 and 2 rows, extrapolated to the cap, and the prediction is compiled again to
-    check it (stepping down while it does not fit).
+    Peak memory is affine in the batch (weights once; cache, state and temporaries per row), so
+    the decode peak is compiled at the two --fit-batches, extrapolated to the cap, and then the
+    prediction is compiled again with the prefill (stepping down while it does not fit) and
+    the next batch up (to show it does not). The fit skips batch 1: XLA's buffer assignment
+    there is an outlier (it keeps an extra copy of the cache).
     """
     cap = int(args.mem_cap_gb * 2**30)
     cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
     w_bytes = weight_bytes(model)
     prompt = api._bucket(args.gen_prompt, args.gen_prompt)
+    b1, b2 = sorted(args.fit_batches)
     rows = []
     for method in args.methods:
         cc = _compression(method, args, prompt, args.gen_tokens)
@@ -342,17 +355,21 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
             stop_ids=(),
         )
         t0 = time.perf_counter()
-        m1 = decode_memory(model, plan, 1, prompt)
-        m2 = decode_memory(model, plan, 2, prompt)
-        per_row = m2["peak_bytes"] - m1["peak_bytes"]
-        fixed = m1["peak_bytes"] - per_row
-        best = max(0, (cap - fixed) // per_row) if per_row > 0 else 0
-        checked = None
+        m1 = compiled_memory(model, plan, b1, prompt)
+        m2 = compiled_memory(
+            model, plan, b2, prompt, ("decode", "compress") if cc.compressing else ("decode",)
+        )
+        per_row = (m2["peak_bytes"] - m1["peak_bytes"]) / (b2 - b1)
+        fixed = m1["peak_bytes"] - per_row * b1
+        best = max(0, int((cap - fixed) // per_row)) if per_row > 0 else 0
+        checked = above = None
         while best > 0:
-            checked = decode_memory(model, plan, best, prompt)
+            checked = compiled_memory(model, plan, best, prompt, ("prefill", "decode"))
             if checked["peak_bytes"] <= cap:
                 break
-            best -= max(1, -(-(checked["peak_bytes"] - cap) // per_row))
+            best -= max(1, int(-(-(checked["peak_bytes"] - cap) // per_row)))
+        if best > 0 and not args.tiny:  # one more compile; the smoke run skips it
+            above = compiled_memory(model, plan, best + 1, prompt, ("prefill", "decode"))
         row = {
             "bench": "memory_speed",
             "part": "capacity",
@@ -365,17 +382,23 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
             "cache_capacity": capacity,
             "weight_bytes": w_bytes,
             "kv_bytes_per_row": kv_bytes(cfg, 1, capacity, itemsize),
-            "state_bytes_per_row": m2["state_bytes"] - m1["state_bytes"],
+            "state_bytes_per_row": (m2["state_bytes"] - m1["state_bytes"]) / (b2 - b1),
             "peak_bytes_per_row": per_row,
             "peak_bytes_fixed": fixed,
-            "decode_temp_bytes_b1": m1["decode"]["temp_bytes"],
-            "prefill_peak_bytes_b1": m1["prefill"]["peak_bytes"],
-            "decode_peak_bytes_b1": m1["decode"]["peak_bytes"],
+            "fit_batches": [b1, b2],
+            "decode_temp_bytes_fit": [m1["decode"]["temp_bytes"], m2["decode"]["temp_bytes"]],
+            # XLA temporaries of one compression step (all layers) at the second fit batch.
+            "compress_temp_bytes_fit": m2["compress"]["temp_bytes"] if cc.compressing else None,
             "max_batch": best,
-            "peak_bytes_at_max_batch": checked["peak_bytes"] if checked else None,
-            "decode_temp_bytes_at_max_batch": checked["decode"]["temp_bytes"] if checked else None,
+            # The paper-style count: weights plus the decode state alone, no XLA temporaries.
+            "max_batch_state_only": int((cap - w_bytes) // (m2["state_bytes"] / b2)),
+            "peak_bytes_at_max_batch": checked and checked["peak_bytes"],
+            "prefill_peak_bytes_at_max_batch": checked and checked["prefill"]["peak_bytes"],
+            "decode_temp_bytes_at_max_batch": checked and checked["decode"]["temp_bytes"],
+            "peak_bytes_at_max_batch_plus_1": above and above["peak_bytes"],
+            "max_batch_exact": None if above is None else above["peak_bytes"] > cap,
             "analysis_s": time.perf_counter() - t0,
-            "method_of_analysis": "compile-only memory_analysis (XLA CPU), nothing run",
+            "analysis": "compile-only Compiled.memory_analysis() on this backend, nothing run",
             **meta,
         }
         emit(row, args.out)
@@ -418,16 +441,22 @@ def speed_table(rows: list[dict]) -> str:
 def capacity_table(rows: list[dict]) -> str:
     head = (
         f"{'method':>9} {'budget':>6} {'capacity':>8} {'KV MiB/row':>10} {'peak MiB/row':>12} "
-        f"{'fixed MiB':>9} {'max batch':>9} {'x full':>6}"
+        f"{'temp MiB/row':>12} {'cmp MiB/row':>11} {'fixed MiB':>9} {'max batch':>9} "
+        f"{'x full':>6} {'state-only':>10}"
     )
     lines = [head, "-" * len(head)]
     full = next((r["max_batch"] for r in rows if r["method"] == "full"), None)
     for r in rows:
         rel = f"{r['max_batch'] / full:6.1f}" if full else f"{'-':>6}"
+        (b1, b2), (t1, t2) = r["fit_batches"], r["decode_temp_bytes_fit"]
+        temp = (t2 - t1) / (b2 - b1)
+        c = r["compress_temp_bytes_fit"]
+        cmp = f"{c / b2 / 2**20:11.2f}" if c is not None else f"{'-':>11}"
         lines.append(
             f"{r['method']:>9} {r['budget'] or '-':>6} {r['cache_capacity']:>8} "
             f"{r['kv_bytes_per_row'] / 2**20:>10.2f} {r['peak_bytes_per_row'] / 2**20:>12.2f} "
-            f"{r['peak_bytes_fixed'] / 2**20:>9.0f} {r['max_batch']:>9} {rel}"
+            f"{temp / 2**20:>12.2f} {cmp:>11} {r['peak_bytes_fixed'] / 2**20:>9.0f} "
+            f"{r['max_batch']:>9} {rel} {r['max_batch_state_only']:>10}"
         )
     return "\n".join(lines)
 
@@ -457,16 +486,27 @@ def plot(speed: list[dict], cap: list[dict], path: Path, title: str) -> None:
             }
 
         ax = axes.pop(0)
-        lines(ax, series("cache_kv_bytes", 2**-20), xlabel="context", ylabel="KV MiB", title=title)
-        ax.set_xscale("log", base=2)
+        lines(
+            ax,
+            series("cache_kv_bytes", 2**-20),
+            xlabel="context (tokens)",
+            ylabel="KV cache MiB",
+            title=title,
+        )
         ax.set_yscale("log")
         ax = axes.pop(0)
         sub = f"batch {speed[0]['batch']}, {speed[0]['new_tokens']} new tokens"
-        lines(ax, series("tokens_per_s"), xlabel="context", ylabel="decode tokens/s", title=sub)
-        ax.set_xscale("log", base=2)
+        lines(
+            ax,
+            series("tokens_per_s"),
+            xlabel="context (tokens)",
+            ylabel="decode tokens/s",
+            title=sub,
+        )
     if cap:
         ax = axes.pop(0)
-        ax.bar([r["method"] for r in cap], [r["max_batch"] for r in cap])
+        bars = ax.bar([r["method"] for r in cap], [r["max_batch"] for r in cap])
+        ax.bar_label(bars)
         ax.set_ylabel(f"max batch in {cap[0]['mem_cap_bytes'] / 2**30:g} GiB")
         ax.set_title(f"{cap[0]['gen_tokens']}-token generation (compile-only analysis)")
         ax.set_yscale("log")

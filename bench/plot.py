@@ -20,9 +20,13 @@ def pyplot():
 
 
 def lines(ax, series: dict[str, tuple[list, list]], *, xlabel: str, ylabel: str, title: str):
-    """One marked line per name: series {name: (xs, ys)}."""
+    """One marked line per name: series {name: (xs, ys)}; a log2 x axis ticked at the xs."""
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=name)
+    ticks = sorted({x for xs, _ in series.values() for x in xs})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
