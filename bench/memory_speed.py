@@ -238,8 +238,10 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 "comp_ms": _compression_ms(state, plan),
                 "prefill_comps": prefill_comps,
             }
-        for _ in range(args.repeats):
-            for r in runs.values():
+        for i in range(args.repeats):
+            order = list(runs)
+            for m in order[i % len(order) :] + order[: i % len(order)]:  # rotate who goes first
+                r = runs[m]
                 s = _copy(r["state"])
                 t0 = time.perf_counter()
                 s = _decode_all(model, s, r["plan"])
@@ -249,6 +251,15 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 del s
         for method, r in runs.items():
             plan, dec = r["plan"], statistics.median(r["times"])
+            # Methods run in the same rounds, so per-round time ratios cancel slow drifts in the
+            # load of a shared machine better than ratios of medians.
+            paired = {
+                f"speedup_vs_{ref}": statistics.median(
+                    a / b for a, b in zip(runs[ref]["times"], r["times"], strict=True)
+                )
+                for ref in ("full", "streaming")
+                if ref in runs
+            }
             tps = b * (n_new - 1) / dec  # token 0 comes from the prefill
             comps = r["compressions"] - r["prefill_comps"]
             row = {
@@ -268,6 +279,8 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 "decode_s": dec,
                 "decode_s_runs": r["times"],
                 "tokens_per_s": tps,
+                "tokens_per_s_best": b * (n_new - 1) / min(r["times"]),
+                **paired,
                 "prefill_s": r["prefill_s"],
                 "compile_s": r["compile_s"],
                 "decode_compressions": comps,
@@ -416,23 +429,24 @@ def emit(row: dict, out: Path) -> None:
 
 def speed_table(rows: list[dict]) -> str:
     head = (
-        f"{'context':>7} {'method':>9} {'capacity':>8} {'cache MiB':>9} {'tok/s':>7} "
+        f"{'context':>7} {'method':>9} {'capacity':>8} {'KV MiB':>7} {'tok/s':>6} {'best':>6} "
         f"{'x full':>6} {'x strm':>6} {'comps':>5} {'comp ms':>7} {'ovh %':>5} {'prefill s':>9}"
     )
     lines = [head, "-" * len(head)]
-    ok = [r for r in rows if "error" not in r]
+
+    def f(x, fmt, width):
+        return f"{'-':>{width}}" if x is None else format(x, fmt)
+
     for r in rows:
         if "error" in r:
             lines.append(f"{r['context']:>7} {r['method']:>9}  failed: {r['error'][:60]}")
             continue
-        same = {x["method"]: x["tokens_per_s"] for x in ok if x["context"] == r["context"]}
-        rel = [r["tokens_per_s"] / same[m] if m in same else None for m in ("full", "streaming")]
-        rel_s = [format(x, "6.2f") if x is not None else f"{'-':>6}" for x in rel]
-        comp = f"{r['compression_ms']:7.1f}" if r["compression_ms"] is not None else f"{'-':>7}"
         lines.append(
             f"{r['context']:>7} {r['method']:>9} {r['cache_capacity']:>8} "
-            f"{r['cache_kv_bytes'] / 2**20:>9.1f} {r['tokens_per_s']:>7.2f} {rel_s[0]} {rel_s[1]} "
-            f"{r['decode_compressions']:>5} {comp} {r['compression_overhead'] * 100:>5.1f} "
+            f"{r['cache_kv_bytes'] / 2**20:>7.1f} {r['tokens_per_s']:>6.2f} "
+            f"{r['tokens_per_s_best']:>6.2f} {f(r.get('speedup_vs_full'), '6.2f', 6)} "
+            f"{f(r.get('speedup_vs_streaming'), '6.2f', 6)} {r['decode_compressions']:>5} "
+            f"{f(r['compression_ms'], '7.1f', 7)} {r['compression_overhead'] * 100:>5.1f} "
             f"{r['prefill_s']:>9.1f}"
         )
     return "\n".join(lines)
@@ -544,7 +558,8 @@ def main(argv=None) -> None:
     if speed:
         print(
             f"(a) batch {args.batch}, budget {args.budget}, buffer {args.buffer}: decode "
-            f"{args.new_tokens} tokens ending at each context, median of {args.repeats}",
+            f"{args.new_tokens} tokens ending at each context; tok/s: median of {args.repeats}, "
+            "best: fastest; x full, x strm: median per-round speed ratio",
             file=sys.stderr,
         )
         print(speed_table(speed), file=sys.stderr)

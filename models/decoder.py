@@ -24,18 +24,25 @@ from rkvjax.config import ModelConfig
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, scale=0.02):
-    """A parameter with logical axis names (`axes`) that sharding maps onto a mesh."""
+def _param(
+    rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype, scale=0.02
+):
+    """A parameter with logical axis names (`axes`) that sharding maps onto a mesh; with no
+    `rngs`, an abstract one (a ShapeDtypeStruct: loaders fill it)."""
+    if rngs is None:
+        return nnx.Param(jax.ShapeDtypeStruct(shape, dtype), axes=axes)
     value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value.astype(dtype), axes=axes)
 
 
-def _ones(shape: tuple[int, ...], axes: tuple[str, ...], dtype):
+def _ones(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype):
+    if rngs is None:
+        return nnx.Param(jax.ShapeDtypeStruct(shape, dtype), axes=axes)
     return nnx.Param(jnp.ones(shape, dtype), axes=axes)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         d, n, k, h = cfg.embed, cfg.q_heads, cfg.kv_heads, cfg.head_dim
         self.cfg = cfg
         self.wq = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
@@ -49,8 +56,8 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.bo = _param(rngs, (d,), ("embed",), dtype)
         if cfg.qk_norm:
-            self.q_norm = _ones((h,), ("head_dim",), dtype)
-            self.k_norm = _ones((h,), ("head_dim",), dtype)
+            self.q_norm = _ones(rngs, (h,), ("head_dim",), dtype)
+            self.k_norm = _ones(rngs, (h,), ("head_dim",), dtype)
 
     def __call__(self, x, rope, attend: Callable, state):
         """x [B, T, D], rope = (cos, sin) [B, T, H] -> ([B, T, D], state)."""
@@ -65,14 +72,18 @@ class Attention(nnx.Module):
             k = layers.rms_norm(k, self.k_norm[...], cfg.rms_eps)
         q, k = layers.apply_rope(q, *rope), layers.apply_rope(k, *rope)
         o, state = attend(q, k, v, state)  # [B, T, N, H]
-        out = jnp.einsum("BTNH,NHD->BTD", o, self.wo[...])
+        # Contract over the flattened (N, H): with "BTNH,NHD->BTD" XLA:CPU transposes the whole
+        # wo weight into an [H, N, D] layout on every decode step.
+        b, t, n, h = o.shape
+        wo = self.wo[...]
+        out = jnp.einsum("BTE,ED->BTD", o.reshape(b, t, n * h), wo.reshape(n * h, wo.shape[-1]))
         if cfg.o_bias:
             out = out + self.bo[...]
         return out, state
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         d, f = cfg.embed, cfg.ffw
         self.gate = _param(rngs, (d, f), ("embed", "ffw"), dtype)
         self.up = _param(rngs, (d, f), ("embed", "ffw"), dtype)
@@ -86,11 +97,11 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         self.cfg = cfg
-        self.attn_norm = _ones((cfg.embed,), ("embed",), dtype)
+        self.attn_norm = _ones(rngs, (cfg.embed,), ("embed",), dtype)
         self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.mlp_norm = _ones((cfg.embed,), ("embed",), dtype)
+        self.mlp_norm = _ones(rngs, (cfg.embed,), ("embed",), dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, rope, attend: Callable, state):
@@ -103,11 +114,11 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     """Token ids -> hidden states -> logits. Weights are in `dtype`; norms and softmax in f32."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"), dtype)
         self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.norm = _ones((cfg.embed,), ("embed",), dtype)
+        self.norm = _ones(rngs, (cfg.embed,), ("embed",), dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), dtype)
 
@@ -130,4 +141,4 @@ class Decoder(nnx.Module):
 
 def abstract_decoder(cfg: ModelConfig, dtype=jnp.float32) -> Decoder:
     """The decoder's structure with ShapeDtypeStructs for leaves (no memory allocated)."""
-    return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return Decoder(cfg, dtype=dtype, rngs=None)

@@ -71,10 +71,11 @@ def load(path: str | Path | None = None, *, dtype=None, mesh=None) -> Model:
     """Loads a checkpoint.
 
     Args:
-      path: a Hugging Face folder (`config.json`, `*.safetensors`, tokenizer files), a `.gguf`
-        file (converted once and cached), or None / "SmolLM2-135M-Instruct" for the default model.
-      dtype: weight dtype, "float32" / "bfloat16" or a jnp dtype. Default: float32 on CPU,
-        bfloat16 on GPU/TPU.
+      path: a Hugging Face folder (`config.json`, `*.safetensors`, tokenizer files), a folder
+        written by `rkvjax convert` (Orbax weights, the fastest to load), a `.gguf` file
+        (converted once and cached), or None / "SmolLM2-135M-Instruct" for the default model.
+      dtype: weight dtype, "float32" / "bfloat16" or a jnp dtype. Default: a converted
+        folder's own dtype; otherwise float32 on CPU, bfloat16 on GPU/TPU.
       mesh: a `("data", "model")` mesh (`rkvjax.sharding.make_mesh`) to split the weights
         over: KV heads with their query heads, MLP hidden and vocab on "model"; `generate`
         then splits batch rows over "data". Each tensor is placed straight into its shards.
@@ -82,11 +83,18 @@ def load(path: str | Path | None = None, *, dtype=None, mesh=None) -> Model:
     Returns:
       A Model.
     """
+    from rkvjax.convert import checkpoint
     from rkvjax.convert.hf_config import read_hf_config
     from rkvjax.convert.hf_safetensors import load_weights
 
-    dtype = _default_dtype() if dtype is None else _as_dtype(dtype)
     folder = _resolve(path)
+    converted = checkpoint.is_converted(folder)
+    if dtype is not None:
+        dtype = _as_dtype(dtype)
+    elif converted:
+        dtype = _as_dtype(checkpoint.read_marker(folder)["dtype"])
+    else:
+        dtype = _default_dtype()
     cfg = read_hf_config(folder)
     if mesh is not None and tuple(mesh.axis_names) != sharding.MESH_AXES:
         raise ValueError(
@@ -94,7 +102,8 @@ def load(path: str | Path | None = None, *, dtype=None, mesh=None) -> Model:
             "use rkvjax.sharding.make_mesh"
         )
     rules = None if mesh is None else sharding.check_divisible(cfg, mesh)
-    decoder = load_weights(folder, cfg, dtype, mesh=mesh, rules=rules)
+    read = checkpoint.restore if converted else load_weights
+    decoder = read(folder, cfg, dtype, mesh=mesh, rules=rules)
     return Model(
         config=cfg,
         decoder=decoder,
@@ -322,7 +331,16 @@ def _put_rows(model: Model, x) -> jax.Array:
         return jnp.asarray(x)
     data = model.mesh.shape[model.rules.batch] if model.rules.batch else 1
     axes = ("batch",) if x.shape[0] % data == 0 else (None,)
-    return jax.device_put(x, model.rules.named(model.mesh, *axes, *[None] * (x.ndim - 1)))
+    return sharding.host_array(x, model.rules.named(model.mesh, *axes, *[None] * (x.ndim - 1)))
+
+
+def _put_key(model: Model, key: jax.Array) -> jax.Array:
+    """The PRNG key replicated over the mesh (a plain device array without one)."""
+    if model.mesh is None:
+        return key
+    data = np.asarray(jax.random.key_data(key))
+    rep = sharding.host_array(data, model.rules.named(model.mesh, *[None] * data.ndim))
+    return jax.random.wrap_key_data(rep, impl=jax.random.key_impl(key))
 
 
 def _run(model, plan, tokens, positions, key, given=None, *, progress=False, on_chunk=None):
@@ -337,6 +355,7 @@ def _run_on_mesh(model, plan, tokens, positions, key, given, progress, on_chunk)
     if given.shape[0] < b:  # rows _pad_rows added
         given = np.concatenate([given, np.repeat(given[:1], b - given.shape[0], axis=0)])
     given, tokens, positions = (_put_rows(model, x) for x in (given, tokens, positions))
+    key = _put_key(model, key)
     c0, t0 = engine.compile_seconds(), time.perf_counter()
     state = engine.prefill(model.decoder, tokens, positions, given, key, plan=plan)
     jax.block_until_ready(state.tokens)
@@ -345,12 +364,12 @@ def _run_on_mesh(model, plan, tokens, positions, key, given, progress, on_chunk)
     step, all_done = 1, m == 1
     while step < m and not all_done:
         state = engine.decode(model.decoder, state, steps=_CHUNK, plan=plan)
-        new_step, all_done = (int(x) for x in jax.device_get((state.step, jnp.all(state.done))))
+        new_step, all_done = (int(x) for x in sharding.to_host((state.step, jnp.all(state.done))))
         bar.update(new_step - step)
         step = new_step
         if on_chunk is not None and not all_done:
             state = on_chunk(state)
-            all_done = bool(jnp.all(state.done))
+            all_done = bool(sharding.to_host(jnp.all(state.done)))
     bar.close()
     jax.block_until_ready(state.tokens)
     c2, t2 = engine.compile_seconds(), time.perf_counter()
@@ -457,7 +476,9 @@ def generate(
         hit = _rows_hitting_stop(model, state, stop)
         stopped_by_string[:] |= hit
         return (
-            dataclasses.replace(state, done=state.done | jnp.asarray(hit)) if hit.any() else state
+            dataclasses.replace(state, done=state.done | _put_rows(model, hit))
+            if hit.any()
+            else state
         )
 
     state, ttft_s, decode_s, compile_s = _run(
@@ -469,7 +490,7 @@ def generate(
         progress=progress,
         on_chunk=check_stop_strings if stop else None,
     )
-    out_tokens, num, comps, peak, kept = jax.device_get(
+    out_tokens, num, comps, peak, kept = sharding.to_host(
         (state.tokens, state.num, state.compressions, state.peak, state.kept)
     )
     decoded = int(np.sum(num[:b])) - b
@@ -585,7 +606,7 @@ def score(
         keep_dists=return_dists,
     )
     state, *_ = _run(model, plan, tokens, positions, jax.random.key(0), given)
-    logp, top1, dists, comps, peak = jax.device_get(
+    logp, top1, dists, comps, peak = sharding.to_host(
         (state.logprob, state.top1, state.dists, state.compressions, state.peak)
     )
     results = [
@@ -606,7 +627,7 @@ def _ends_with_stop(gen: list[int], stop_ids: tuple[int, ...]) -> bool:
 
 
 def _rows_hitting_stop(model: Model, state: engine.DecodeState, stop: list[str]) -> np.ndarray:
-    tokens, num, done = jax.device_get((state.tokens, state.num, state.done))
+    tokens, num, done = sharding.to_host((state.tokens, state.num, state.done))
     return np.array(
         [
             not done[r]

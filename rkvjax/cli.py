@@ -1,4 +1,5 @@
-"""Command line: `rkvjax generate "prompt" ...` and `rkvjax batch IN.jsonl OUT.jsonl ...`."""
+"""Command line: `rkvjax generate "prompt" ...`, `rkvjax batch IN.jsonl OUT.jsonl ...` and
+`rkvjax convert SRC DST`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import functools
 import json
 import sys
 import time
+
+import jax
 
 from rkvjax import api, jobs, sharding
 from rkvjax.config import METHODS
@@ -19,14 +22,6 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         help="Hugging Face folder or .gguf file (default: %(default)s, prepared on first use)",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument(
-        "--mesh",
-        type=_mesh_arg,
-        default=None,
-        metavar="data=D,model=M",
-        help="split over D x M devices: batch rows on data, heads / MLP / vocab on model "
-        "(D * M must equal the device count; default: one device)",
-    )
     p.add_argument("--max-new-tokens", type=int, default=api.DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--method", choices=METHODS, default="rkv")
     p.add_argument(
@@ -78,7 +73,37 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("output", help="JSONL results, appended; ids already there are skipped")
     b.add_argument("--batch-size", type=int, default=8)
     _add_generation_args(b)
+    c = sub.add_parser(
+        "convert",
+        help="write a checkpoint as Orbax weights + config + tokenizer (fast to load, any mesh)",
+    )
+    c.add_argument(
+        "source",
+        nargs="?",
+        default=api.DEFAULT_MODEL,
+        help="Hugging Face folder, .gguf file, or converted folder (default: %(default)s)",
+    )
+    c.add_argument("output", help="folder to write (`rkvjax.load` and --model accept it)")
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    c.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    for p in (g, b, c):
+        _add_mesh_args(p)
     return parser
+
+
+def _add_mesh_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mesh",
+        type=_mesh_arg,
+        default=None,
+        metavar="data=D,model=M",
+        help="split over D x M devices: batch rows on data, heads / MLP / vocab on model "
+        "(D * M must equal the device count, every process's together; default: one device)",
+    )
+    d = p.add_argument_group("multi-process (one process per host; see README)")
+    d.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
+    d.add_argument("--num-processes", type=int, default=None)
+    d.add_argument("--process-id", type=int, default=None)
 
 
 def _budget(value: float | None) -> int | float | None:
@@ -115,7 +140,10 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = _load(args)
     load_s = time.perf_counter() - t0
-    results = _generate_fn(args, model, _progress(args))(list(args.prompts))
+    primary = jax.process_index() == 0  # on several processes, process 0 reports
+    results = _generate_fn(args, model, _progress(args) and primary)(list(args.prompts))
+    if not primary:
+        return 0
     for prompt, r in zip(args.prompts, results, strict=True):
         if args.json:
             print(json.dumps({"prompt": prompt, **r.to_dict()}))
@@ -138,6 +166,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from rkvjax.convert import checkpoint
+
+    t0 = time.perf_counter()
+    mesh = None if args.mesh is None else sharding.make_mesh(**args.mesh)
+    out = checkpoint.convert(
+        args.source, args.output, dtype=args.dtype, mesh=mesh, overwrite=args.overwrite
+    )
+    if jax.process_index() == 0:
+        print(f"[rkvjax] wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def _batch(args: argparse.Namespace) -> int:
     model = _load(args)
     ran, skipped = jobs.run_job(
@@ -147,6 +188,8 @@ def _batch(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         progress=_progress(args),
     )
+    if jax.process_index() != 0:
+        return 0
     print(
         f"[rkvjax] {ran} prompts generated, {skipped} already done -> {args.output}",
         file=sys.stderr,
@@ -173,10 +216,12 @@ def _enable_compile_cache() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _enable_compile_cache()
     try:
-        return _batch(args) if args.command == "batch" else _generate(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        _enable_compile_cache()
+        run = {"batch": _batch, "convert": _convert, "generate": _generate}[args.command]
+        return run(args)
+    except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
         print(f"rkvjax: error: {e}", file=sys.stderr)
         return 2
 

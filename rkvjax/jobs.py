@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
     """Parses the input JSONL, checking every line before any work starts."""
@@ -89,16 +92,30 @@ def run_job(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     input_path, output_path = Path(input_path), Path(output_path)
     rows = read_prompts(input_path)
-    done = finished_ids(output_path)
-    todo = [r for r in rows if r["id"] not in done]
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), unit="prompt", disable=not progress)
+    # On several processes every one runs every batch (the model is split over all of them);
+    # process 0 owns the output and decides which prompts are left.
+    primary = jax.process_index() == 0
+    done = finished_ids(output_path) if primary else set()
+    left = np.array([r["id"] not in done for r in rows])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        left = np.asarray(multihost_utils.broadcast_one_to_all(left))
+    todo = [r for r, x in zip(rows, left, strict=True) if x]
+    bar = tqdm(
+        total=len(rows),
+        initial=len(rows) - len(todo),
+        unit="prompt",
+        disable=not (progress and primary),
+    )
     for batch in _batches(todo, batch_size):
         prompts = [r.get("prompt", r.get("prompt_token_ids")) for r in batch]
         results = generate(prompts)
-        _append(
-            output_path,
-            [{"id": r["id"], **res.to_dict()} for r, res in zip(batch, results, strict=True)],
-        )
+        if primary:
+            _append(
+                output_path,
+                [{"id": r["id"], **res.to_dict()} for r, res in zip(batch, results, strict=True)],
+            )
         bar.update(len(batch))
     bar.close()
     return len(todo), len(rows) - len(todo)

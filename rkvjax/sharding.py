@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rkvjax.config import ModelConfig
@@ -180,3 +181,54 @@ def local(fn: Callable, rules: ShardingRules | None, in_axes: Any, out_axes: Any
         )
 
     return jax.shard_map(fn, in_specs=specs(in_axes), out_specs=specs(out_axes), check_vma=False)
+
+
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
+    """Joins a multi-process run (one process per host, or several on one machine for tests).
+
+    Every process runs the same program; afterwards `jax.devices()` lists every process's
+    devices, so `make_mesh` spans them all and `load` / `generate` / `convert` work unchanged.
+    On CPU the processes talk through gloo collectives. Must run before anything touches a
+    JAX backend. With no arguments (one process) it does nothing.
+
+    Raises:
+      ValueError: if only some arguments are given, or they are out of range.
+    """
+    given = (coordinator, num_processes, process_id)
+    if all(x is None for x in given):
+        return
+    if any(x is None for x in given):
+        raise ValueError(
+            "a multi-process run needs all of coordinator (host:port of process 0), "
+            f"num_processes and process_id; got {coordinator=}, {num_processes=}, {process_id=}"
+        )
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+    host, sep, port = coordinator.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"coordinator must be host:port, got {coordinator!r}")
+    # Only the CPU client reads this; accelerators use their own collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def host_array(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array (the same on every process) as a global array split by `sharding`: each
+    process fills only its own devices' blocks, so this works on one process or many."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def to_host(tree: Any) -> Any:
+    """`jax.device_get` that also fetches arrays split over several processes: each process
+    gets the whole array (a gather over processes; one process never needs it)."""
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(get, tree)

@@ -1,0 +1,141 @@
+"""Load time and peak host memory: a Hugging Face safetensors folder against the same weights
+converted by `rkvjax convert` (Orbax).
+
+Each load runs in a fresh process (no JAX state or allocator reuse carries over), alternating
+formats, and reports the median. The child times `rkvjax.load` alone, until every weight is on
+device, and reads its peak resident set (VmHWM, reset just before the load, so it is the load's
+own peak; Linux only). The files are read once before timing, so both formats load from the OS
+page cache: this measures the loader, not the disk.
+
+    python bench/load_time.py                      # default model, float32
+    python bench/load_time.py --dtype bfloat16 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+HERE = Path(__file__).resolve().parent
+_CHILD = r"""
+import json, sys, time
+import jax
+import rkvjax
+def rss():  # this process's peak resident set since the last reset (Linux)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+path, dtype = sys.argv[1], sys.argv[2]
+jax.devices()  # backend start-up is not part of a load
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current resident set
+before = rss()
+t0 = time.perf_counter()
+model = rkvjax.load(path, dtype=dtype)
+jax.block_until_ready(jax.tree.leaves(model.decoder))
+print(json.dumps({"load_s": time.perf_counter() - t0, "rss_before": before, "rss_peak": rss()}))
+"""
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "load_time.jsonl")
+    return p.parse_args(argv)
+
+
+def _read_all(folder: Path) -> None:
+    """Warms the page cache with every file under `folder`."""
+    for f in folder.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while fh.read(1 << 24):
+                    pass
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _child(path: Path, dtype: str) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), dtype],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    from rkvjax.convert import checkpoint
+
+    import rkvjax
+
+    args = parse_args(argv)
+    hf_folder = rkvjax.load(args.model, dtype=args.dtype).path  # prepares a .gguf / the default
+    with tempfile.TemporaryDirectory() as tmp:
+        orbax_folder = checkpoint.convert(hf_folder, Path(tmp) / "converted", dtype=args.dtype)
+        formats = {"safetensors": hf_folder, "orbax": orbax_folder}
+        for folder in formats.values():
+            _read_all(folder)
+        runs = {name: [] for name in formats}
+        for _ in range(args.repeats):
+            for name, folder in formats.items():
+                runs[name].append(_child(folder, args.dtype))
+        sizes = {
+            n: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            for n, p in formats.items()
+        }
+    rows = []
+    for name, rs in runs.items():
+        row = {
+            "bench": "load_time",
+            "model": hf_folder.name,
+            "dtype": args.dtype,
+            "format": name,
+            "repeats": args.repeats,
+            "load_s": statistics.median(r["load_s"] for r in rs),
+            "load_s_runs": [r["load_s"] for r in rs],
+            "peak_rss_bytes": statistics.median(r["rss_peak"] for r in rs),
+            "rss_before_load_bytes": statistics.median(r["rss_before"] for r in rs),
+            "folder_bytes": sizes[name],
+            "jax": jax.__version__,
+            "cpus": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0],
+        }
+        row["peak_rss_added_bytes"] = row["peak_rss_bytes"] - row["rss_before_load_bytes"]
+        rows.append(row)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+            print(json.dumps(row))
+    base = rows[0]
+    print(
+        f"\n{'format':>12} {'load s':>7} {'x faster':>8} {'peak RSS MiB':>12} {'added MiB':>9} "
+        f"{'on disk MiB':>11}",
+        file=sys.stderr,
+    )
+    for r in rows:
+        print(
+            f"{r['format']:>12} {r['load_s']:>7.2f} {base['load_s'] / r['load_s']:>8.2f} "
+            f"{r['peak_rss_bytes'] / 2**20:>12.0f} {r['peak_rss_added_bytes'] / 2**20:>9.0f} "
+            f"{r['folder_bytes'] / 2**20:>11.0f}",
+            file=sys.stderr,
+        )
+
+
+if __name__ == "__main__":
+    main()
