@@ -44,6 +44,7 @@ jax.block_until_ready(jax.tree.leaves(model.decoder))
 print(json.dumps({"load_s": time.perf_counter() - t0, "rss_before": before, "rss_peak": rss()}))
 """
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")

@@ -24,9 +24,7 @@ from rkvjax.config import ModelConfig
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def _param(
-    rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype, scale=0.02
-):
+def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype, scale=0.02):
     """A parameter with logical axis names (`axes`) that sharding maps onto a mesh; with no
     `rngs`, an abstract one (a ShapeDtypeStruct: loaders fill it)."""
     if rngs is None:
