@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rkvjax
-from rkvjax import api, engine, policy
+from rkvjax import api, engine, policy, xla_flags
 from rkvjax.sampling import SamplingConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -339,15 +339,45 @@ def compiled_memory(model, plan, batch: int, prompt: int, parts=("decode",)) -> 
     return out
 
 
+def _largest_fitting(peak_of, cap: int, guess: int, limit: int, *, search: bool):
+    """The largest batch in [0, limit] whose compiled peak fits `cap`, by bisection around the
+    affine `guess` (peaks grow with the batch, but not exactly affinely: the prefill's
+    temporaries take over at large batches). Without `search`, steps down from the guess only.
+
+    Returns:
+      (batch, {batch: compiled_memory(...)} of every batch compiled).
+    """
+    peaks = {}
+
+    def fits(b: int) -> bool:
+        if b not in peaks:
+            peaks[b] = peak_of(b)
+        return peaks[b]["peak_bytes"] <= cap
+
+    b = min(max(guess, 1), max(limit, 1))
+    if not search:
+        while b > 0 and not fits(b):
+            b -= 1
+        return b, peaks
+    lo, hi = (b, limit + 1) if fits(b) else (0, b)  # fits(lo) or lo == 0; not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo + 1 <= limit:
+        fits(lo + 1)  # recorded, to show the next batch up does not fit
+    return lo, peaks
+
+
 def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
     """Part (b): the largest batch whose decode (and prefill) fit --mem-cap-gb for a generation
     of --gen-tokens after a --gen-prompt prompt, from compile-only memory analysis.
 
-    Peak memory is affine in the batch (weights once; cache, state and temporaries per row), so
-    the decode peak is compiled at the two --fit-batches, extrapolated to the cap, and then the
-    prediction is compiled again with the prefill (stepping down while it does not fit) and
-    the next batch up (to show it does not). The fit skips batch 1: XLA's buffer assignment
-    there is an outlier (it keeps an extra copy of the cache).
+    Decode peak memory is close to affine in the batch (weights once; cache, state and
+    temporaries per row), so it is compiled at the two --fit-batches and extrapolated to the
+    cap. The fit skips batch 1: XLA's buffer assignment there is an outlier (it keeps an extra
+    copy of the cache). From that guess, the largest batch whose prefill and decode both fit is
+    found by bisection (bounded by the state-only count), and the next batch up is compiled to
+    show it does not.
     """
     cap = int(args.mem_cap_gb * 2**30)
     cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
@@ -374,15 +404,16 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
         )
         per_row = (m2["peak_bytes"] - m1["peak_bytes"]) / (b2 - b1)
         fixed = m1["peak_bytes"] - per_row * b1
-        best = max(0, int((cap - fixed) // per_row)) if per_row > 0 else 0
-        checked = above = None
-        while best > 0:
-            checked = compiled_memory(model, plan, best, prompt, ("prefill", "decode"))
-            if checked["peak_bytes"] <= cap:
-                break
-            best -= max(1, int(-(-(checked["peak_bytes"] - cap) // per_row)))
-        if best > 0 and not args.tiny:  # one more compile; the smoke run skips it
-            above = compiled_memory(model, plan, best + 1, prompt, ("prefill", "decode"))
+        guess = max(0, int((cap - fixed) // per_row)) if per_row > 0 else 0
+        state_only = int((cap - w_bytes) // (m2["state_bytes"] / b2))
+        best, peaks = _largest_fitting(
+            lambda b, plan=plan: compiled_memory(model, plan, b, prompt, ("prefill", "decode")),
+            cap,
+            guess,
+            state_only,
+            search=not args.tiny,  # the smoke run checks the guess only
+        )
+        checked, above = peaks.get(best), peaks.get(best + 1)
         row = {
             "bench": "memory_speed",
             "part": "capacity",
@@ -404,7 +435,8 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
             "compress_temp_bytes_fit": m2["compress"]["temp_bytes"] if cc.compressing else None,
             "max_batch": best,
             # The paper-style count: weights plus the decode state alone, no XLA temporaries.
-            "max_batch_state_only": int((cap - w_bytes) // (m2["state_bytes"] / b2)),
+            "max_batch_state_only": state_only,
+            "max_batch_predicted": guess,
             "peak_bytes_at_max_batch": checked and checked["peak_bytes"],
             "prefill_peak_bytes_at_max_batch": checked and checked["prefill"]["peak_bytes"],
             "decode_temp_bytes_at_max_batch": checked and checked["decode"]["temp_bytes"],
@@ -530,6 +562,7 @@ def plot(speed: list[dict], cap: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    xla_flags.prefer_memory_on_cpu()  # before anything compiles: see rkvjax/xla_flags.py
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
@@ -547,6 +580,7 @@ def main(argv=None) -> None:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "argv": sys.argv[1:],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     speed = [] if args.skip_speed else speed_rows(model, name, args, meta)
     cap = [] if args.skip_capacity else capacity_rows(model, name, args, meta)

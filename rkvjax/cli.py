@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from rkvjax import api, jobs, sharding
+from rkvjax import api, jobs, sharding, xla_flags
 from rkvjax.config import METHODS
 
 
@@ -216,6 +216,7 @@ def _enable_compile_cache() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    xla_flags.prefer_memory_on_cpu()
     try:
         sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
         _enable_compile_cache()

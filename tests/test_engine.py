@@ -1,5 +1,7 @@
 """The compiled decode loop: cache vs full forward, ragged batches, sampling, compile counts."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,3 +128,21 @@ def test_top_k_restricts_support():
     assert set(draws.tolist()) == {2, 3}
     freq = np.mean(draws == 3)
     assert abs(freq - 0.4 / 0.7) < 0.05
+
+
+def test_prefer_memory_on_cpu(monkeypatch):
+    from rkvjax import xla_flags
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert xla_flags.prefer_memory_on_cpu()
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=8 "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    )
+    # A setting the user made is theirs.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=true")
+    assert not xla_flags.prefer_memory_on_cpu()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert xla_flags.prefer_memory_on_cpu()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=false"
