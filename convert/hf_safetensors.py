@@ -147,9 +147,8 @@ def _place(arr: np.ndarray, dtype, axes: tuple[str, ...], mesh, rules) -> jax.Ar
     """A host tensor -> a device array, split over `mesh` by its logical `axes` if given."""
     if mesh is None:
         return jnp.asarray(arr, dtype=dtype)
-    host = np.asarray(arr, dtype=dtype)
-    # The callback hands each device its own index block, so no device holds the whole tensor.
-    return jax.make_array_from_callback(host.shape, rules.named(mesh, *axes), lambda idx: host[idx])
+    # Each device receives its own index block, so no device holds the whole tensor.
+    return sharding.host_array(np.asarray(arr, dtype=dtype), rules.named(mesh, *axes))
 
 
 def load_weights(

@@ -72,7 +72,7 @@ def load(path: str | Path | None = None, *, dtype=None, mesh=None) -> Model:
 
     Args:
       path: a Hugging Face folder (`config.json`, `*.safetensors`, tokenizer files), a folder
-        written by `rkvjax convert` (Orbax weights, the fastest to load), a `.gguf` file
+        written by `rkvjax convert` (Orbax weights, restored into any mesh), a `.gguf` file
         (converted once and cached), or None / "SmolLM2-135M-Instruct" for the default model.
       dtype: weight dtype, "float32" / "bfloat16" or a jnp dtype. Default: a converted
         folder's own dtype; otherwise float32 on CPU, bfloat16 on GPU/TPU.

@@ -56,9 +56,12 @@ def _mesh_arg(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _mesh(args: argparse.Namespace):
+    return None if args.mesh is None else sharding.make_mesh(**args.mesh)
+
+
 def _load(args: argparse.Namespace) -> api.Model:
-    mesh = None if args.mesh is None else sharding.make_mesh(**args.mesh)
-    return api.load(args.model, dtype=args.dtype, mesh=mesh)
+    return api.load(args.model, dtype=args.dtype, mesh=_mesh(args))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_generation_args(b)
     c = sub.add_parser(
         "convert",
-        help="write a checkpoint as Orbax weights + config + tokenizer (fast to load, any mesh)",
+        help="write a checkpoint as Orbax weights + config + tokenizer (restores into any mesh)",
     )
     c.add_argument(
         "source",
@@ -170,9 +173,8 @@ def _convert(args: argparse.Namespace) -> int:
     from rkvjax.convert import checkpoint
 
     t0 = time.perf_counter()
-    mesh = None if args.mesh is None else sharding.make_mesh(**args.mesh)
     out = checkpoint.convert(
-        args.source, args.output, dtype=args.dtype, mesh=mesh, overwrite=args.overwrite
+        args.source, args.output, dtype=args.dtype, mesh=_mesh(args), overwrite=args.overwrite
     )
     if jax.process_index() == 0:
         print(f"[rkvjax] wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -10,10 +10,11 @@ import os
 
 # XLA:CPU's concurrency-optimized scheduler overlaps the 30 layers' R-KV compressions and keeps
 # every layer's [n, n] similarity temporaries live at once: 167 MiB per row instead of 5.5 for
-# the default model at budget 256 (the compiled compression's buffer assignment), which cut
-# the batch that fits a memory cap about 5x. Without it decode ran as fast and the compression
-# itself faster (109 vs 143 ms). It cannot be set per `jax.jit` (`compiler_options` accepts
-# it, but the CPU scheduler does not read it from there). Other backends ignore it.
+# the default model at budget 256 (the compiled compression's buffer assignment), which held
+# R-KV to 19 rows under a 4 GiB cap where 125 fit without it. Without it decode ran as fast and
+# the compression itself faster (109 vs 143 ms). It cannot be set per `jax.jit`
+# (`compiler_options` accepts it, but the CPU scheduler does not read it from there). Other
+# backends ignore it.
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
 

@@ -10,12 +10,8 @@ import pytest
 from rkvjax.convert import checkpoint
 
 import rkvjax
-from rkvjax import cli, sharding
-from tests.test_sharding import GEN, PROMPTS
-
-
-def _mesh(data: int, model: int):
-    return sharding.make_mesh(data, model, devices=jax.devices()[: data * model])
+from rkvjax import cli
+from tests.test_sharding import GEN, PROMPTS, sub_mesh
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +23,7 @@ def source(tiny_checkpoint):
 def converted(source, tmp_path_factory):
     """Written from a data=4, model=2 mesh: every parameter saved as shards."""
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    return checkpoint.convert(source, out, dtype="float32", mesh=_mesh(4, 2))
+    return checkpoint.convert(source, out, dtype="float32", mesh=sub_mesh(4, 2))
 
 
 def _params(model):
@@ -45,7 +41,7 @@ def test_layout(converted, source):
 
 @pytest.mark.parametrize("shape", [None, (1, 2), (2, 1), (8, 1)])
 def test_restore_into_other_meshes(converted, source, shape):
-    mesh = None if shape is None else _mesh(*shape)
+    mesh = None if shape is None else sub_mesh(*shape)
     want = rkvjax.load(source, dtype="float32", mesh=mesh)
     got = rkvjax.load(converted, mesh=mesh)
     assert got.dtype == jnp.float32
@@ -115,7 +111,7 @@ def test_default_model_round_trip(smol, tmp_path):
     out = checkpoint.convert(smol.path, tmp_path / "smol", dtype="float32")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (smol.path / name).read_bytes()
-    model = rkvjax.load(out, mesh=_mesh(1, 3))
+    model = rkvjax.load(out, mesh=sub_mesh(1, 3))
     assert model.tokenizer.encode("The capital of France") == smol.tokenizer.encode(
         "The capital of France"
     )

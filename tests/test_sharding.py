@@ -23,7 +23,8 @@ PROMPTS = [np.random.RandomState(0).randint(0, VOCAB, n).tolist() for n in (9, 2
 GEN = dict(budget=16, buffer=8, max_new_tokens=24, ignore_eos=True)
 
 
-def _mesh(data: int, model: int):
+def sub_mesh(data: int, model: int):
+    """A data x model mesh over the first data * model of the 8 CPU devices."""
     return sharding.make_mesh(data, model, devices=jax.devices()[: data * model])
 
 
@@ -43,7 +44,7 @@ def load_sharded(folder):
 
     def load(data: int, model: int):
         if (data, model) not in made:
-            made[data, model] = rkvjax.load(folder, dtype="float32", mesh=_mesh(data, model))
+            made[data, model] = rkvjax.load(folder, dtype="float32", mesh=sub_mesh(data, model))
         return made[data, model]
 
     return load
@@ -122,7 +123,7 @@ def _random_cache(rs, *, layers=1, b=4, k=2, n=4, c=24, h=16, w=8):
 
 def test_compression_compiles_without_collectives():
     """The shard_map'd compression is per device; the automatic partitioner would gather."""
-    mesh, rules = _mesh(4, 2), sharding.DEFAULT_RULES
+    mesh, rules = sub_mesh(4, 2), sharding.DEFAULT_RULES
     cc = CompressionConfig(method="rkv", budget=16, buffer=8, window=8)
     cache = _random_cache(np.random.RandomState(0))
     rows = jnp.array([True, False, True, True])
@@ -141,7 +142,7 @@ def test_compression_compiles_without_collectives():
 
 
 def test_divisibility_errors(single, folder):
-    mesh = _mesh(4, 2)
+    mesh = sub_mesh(4, 2)
     cfg = dataclasses.replace(single.config, q_heads=6, kv_heads=3)
     with pytest.raises(
         ValueError,
@@ -156,7 +157,7 @@ def test_divisibility_errors(single, folder):
         sharding.check_divisible(single.config, mesh, batch=3)
     assert sharding.check_divisible(single.config, mesh, batch=8).vocab is None
     with pytest.raises(ValueError, match=r"2 KV heads cannot be split over model=4"):
-        rkvjax.load(folder, mesh=_mesh(2, 4))
+        rkvjax.load(folder, mesh=sub_mesh(2, 4))
     with pytest.raises(ValueError, match="needs 9 devices, but there are 8"):
         sharding.make_mesh(3, 3)
     with pytest.raises(ValueError, match="use a mesh axis twice"):
