@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import random_checkpoint  # bench/, beside this script
 
 import rkvjax
 
@@ -122,28 +123,6 @@ def measure_bandwidth(mib: int, repeats: int = 7) -> dict:
     return {**out, "gbs": max(out.values())}
 
 
-def tiny_checkpoint(folder: Path) -> Path:
-    """Saves a small random-init Llama (tied embeddings, GQA) as a Hugging Face folder."""
-    import torch
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
-
-
 def prompt_ids(model, target_len: int) -> list[int]:
     """A real chat prompt of at most `target_len` tokens (random ids for a model without a
     tokenizer): the question is cut at a word so the template stays intact."""
@@ -189,12 +168,19 @@ def rkvjax_runner(model, batch_ids):
     return run
 
 
+def torch_device() -> str:
+    """transformers runs where rkvjax runs: on the GPU when JAX has one, else on the CPU."""
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def load_hf(path: Path, dtype: str):
     import torch
     import transformers as tf
 
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return hf.eval()
+    return hf.to(torch_device()).eval()
 
 
 def hf_runner(hf, batch_ids, threads: int):
@@ -202,7 +188,7 @@ def hf_runner(hf, batch_ids, threads: int):
     on `threads` torch threads."""
     import torch
 
-    ids = torch.tensor(batch_ids, dtype=torch.long)  # equal-length rows: no padding
+    ids = torch.tensor(batch_ids, dtype=torch.long, device=hf.device)  # equal lengths: no pad
     mask = torch.ones_like(ids)
 
     def run(n):
@@ -216,7 +202,7 @@ def hf_runner(hf, batch_ids, threads: int):
                 do_sample=False,
                 pad_token_id=0,
             )
-        return out[:, ids.shape[1] :].tolist(), None
+        return out[:, ids.shape[1] :].tolist(), None  # .tolist() waits for the GPU
 
     return run
 
@@ -439,7 +425,10 @@ def main(argv=None) -> None:
     bw = measure_bandwidth(args.bandwidth_mib)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
-            path, name = tiny_checkpoint(Path(tmp) / "tiny-llama"), "tiny-random-llama"
+            path, name = (
+                random_checkpoint.save("tiny", Path(tmp) / "tiny-llama"),
+                "tiny-random-llama",
+            )
         else:
             path = args.model
             name = Path(path).name if path else "SmolLM2-135M-Instruct"

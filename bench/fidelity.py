@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import random_checkpoint  # bench/, beside this script
 
 import rkvjax
 
@@ -60,32 +61,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"--methods: unknown {bad}; choose from rkv, snapkv, streaming")
     return args
-
-
-def tiny_checkpoint(folder: Path) -> Path:
-    """A small random Llama (GQA, tied embeddings) saved as a Hugging Face folder."""
-    import torch
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # the default init gives near-uniform logits: every method would agree
-        for w in model.parameters():
-            w.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    return folder
 
 
 def prompt_ids(model, args) -> list[list[int]]:
@@ -252,7 +227,10 @@ def main(argv=None) -> None:
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
-            path, name = tiny_checkpoint(Path(tmp) / "tiny-llama"), "tiny-random-llama"
+            path, name = (
+                random_checkpoint.save("tiny", Path(tmp) / "tiny-llama"),
+                "tiny-random-llama",
+            )
         else:
             path = args.model
             name = Path(path).name if path else "SmolLM2-135M-Instruct"

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import random_checkpoint  # bench/, beside this script
 
 import rkvjax
 from rkvjax import api, engine, policy, xla_flags
@@ -77,28 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2")
     return args
-
-
-def tiny_checkpoint(folder: Path) -> Path:
-    """A small random Llama (GQA, tied embeddings) saved as a Hugging Face folder."""
-    import torch
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
 
 
 def text_ids(model, path: Path, n: int) -> list[int]:
@@ -566,7 +545,10 @@ def main(argv=None) -> None:
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
-            path, name = tiny_checkpoint(Path(tmp) / "tiny-llama"), "tiny-random-llama"
+            path, name = (
+                random_checkpoint.save("tiny", Path(tmp) / "tiny-llama"),
+                "tiny-random-llama",
+            )
         else:
             path = args.model
             name = Path(path).name if path else "SmolLM2-135M-Instruct"

@@ -420,7 +420,8 @@ def generate(
         `answer_slots` (default 512) more slots for the answer, and a row is compressed again
         only if its answer fills those too.
       kernels: run compression's redundancy and top-k as Pallas kernels (True), as jnp (False),
-        or auto (None: kernels on GPU/TPU, jnp on CPU where Pallas only interprets).
+        or auto (None: the redundancy kernel on GPU/TPU only when the jnp path's n x n matrix
+        would take a large share of device memory; see `rkvjax.kernels.use_pallas`).
       max_new_tokens: tokens to generate at most per prompt.
       temperature, top_p, top_k, seed: sampling; temperature 0 is greedy.
       stop: strings that end a completion (the text is cut before them).

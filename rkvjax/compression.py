@@ -187,7 +187,7 @@ def rkv_scores(queries, keys, valid, *, kernel=7, lam=0.1, threshold=0.5, retain
       threshold: redundancy cosine threshold.
       retain: redundancy matches not counted per row.
       impl: redundancy on the fused Pallas kernel (True), this module's jnp (False), or
-        auto (None: the kernel on GPU/TPU); see `rkvjax.kernels.use_pallas`.
+        auto (None); see `rkvjax.kernels.use_pallas`.
 
     Returns:
       float32 [B, K, n - W]; higher is kept first. 0 at invalid candidates.
@@ -245,7 +245,8 @@ def select(
       threshold: redundancy cosine threshold.
       retain: redundancy matches not counted per row (1 in the reference).
       impl: Pallas kernels for redundancy and top-k (True), jnp (False) or auto (None: the
-        kernels on GPU/TPU, jnp on CPU).
+        redundancy kernel on GPU/TPU when the dense n x n matrix would be large; see
+        `rkvjax.kernels.use_pallas`).
 
     All hyperparameters are static Python numbers.
 

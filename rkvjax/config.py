@@ -84,7 +84,7 @@ class CompressionConfig:
     retain: int = 1  # newest redundant copies not counted (the reference keeps 1)
     think_end_id: int | None = None  # stop compressing a row once it emits this token
     answer_slots: int = 0  # extra slots for the answer after think_end_id (think-only mode)
-    kernels: bool | None = None  # Pallas kernels: None = on GPU/TPU only, True/False = force
+    kernels: bool | None = None  # Pallas: None = auto (`kernels.use_pallas`), True/False = force
 
     def __post_init__(self):
         if self.method not in METHODS:

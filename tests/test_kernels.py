@@ -129,10 +129,24 @@ def test_redundancy_dispatch_jnp():
     """impl=False, and auto on CPU, run the engine's one jnp path (compression.redundancy)."""
     keys, valid = _keys(40, n=40, h=64, dtype=jnp.float32), _valid(40, mode="mixed")
     spec = C.redundancy(keys, valid, window=W, threshold=0.5, retain=1)
-    assert not kernels.use_pallas(None)  # CPU: Pallas would only interpret
+    # Auto: the kernel where Pallas compiles (GPU, TPU), jnp on CPU where it would interpret.
+    assert kernels.use_pallas(None) == (jax.default_backend() in ("gpu", "tpu"))
     assert kernels.use_pallas(True) and not kernels.use_pallas(False)
-    np.testing.assert_array_equal(kernels.redundancy(keys, valid, window=W), spec)
+    np.testing.assert_allclose(kernels.redundancy(keys, valid, window=W), spec, **SCORE_TOL)
     np.testing.assert_array_equal(kernels.redundancy(keys, valid, window=W, impl=False), spec)
+
+
+def test_auto_picks_the_kernel_only_for_large_dense_matrices(monkeypatch):
+    from rkvjax.kernels import tuning
+
+    assert tuning.dense_limit_bytes() > 0
+    assert not kernels.use_pallas(None, dense_bytes=1 << 60) or tuning.backend() != "cpu"
+    monkeypatch.setattr(tuning, "backend", lambda: "gpu")
+    monkeypatch.setattr(tuning, "dense_limit_bytes", lambda: 1000)
+    assert not kernels.use_pallas(None, dense_bytes=1000)
+    assert kernels.use_pallas(None, dense_bytes=1001)
+    assert not kernels.use_pallas(None)  # top-k: no dense intermediate, jnp
+    assert not kernels.use_pallas(False, dense_bytes=1 << 60)
 
 
 def _tied_scores(seed, m):

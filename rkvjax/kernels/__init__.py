@@ -30,16 +30,23 @@ __all__ = [
 ]
 
 
-def use_pallas(flag: bool | None = None) -> bool:
-    """Whether to run the Pallas kernels.
+def use_pallas(flag: bool | None = None, *, dense_bytes: int = 0) -> bool:
+    """Whether to run a Pallas kernel instead of its jnp path.
+
+    Auto picks a kernel only where it pays. On an H200 the redundancy kernel was 26-40x slower
+    than XLA's fused jnp path at n = 1K-4K (`bench/kernel_redundancy.py`) while holding O(n)
+    instead of O(n^2) bytes, so it is the path for inputs whose dense similarity matrix would
+    take a large share of device memory (long-prompt prefill), and jnp serves the rest,
+    decode-time compressions over budget + buffer slots included. On CPU Pallas only
+    interprets, so auto never picks it there.
 
     Args:
-      flag: None for auto (Pallas on GPU and TPU, the jnp reference on CPU, where Pallas only
-        interprets and is far slower than XLA); True forces Pallas (interpreted on CPU);
-        False forces the jnp reference.
+      flag: None for auto; True forces Pallas (interpreted on CPU); False forces jnp.
+      dense_bytes: bytes the jnp path's dense intermediate would take (0 for paths without
+        one, where auto keeps jnp).
     """
     if flag is None:
-        return tuning.backend() != "cpu"
+        return tuning.backend() != "cpu" and dense_bytes > tuning.dense_limit_bytes()
     if not isinstance(flag, bool):
         raise ValueError(f"impl must be True, False or None, got {flag!r}")
     return flag
@@ -61,13 +68,15 @@ def redundancy(keys, valid, *, window=8, threshold=0.5, retain=1, impl: bool | N
       window: trailing observation keys, not returned.
       threshold: cosine match threshold in [-1, 1].
       retain: newest matches per row not counted.
-      impl: None (auto), True (Pallas) or False (jnp); see `use_pallas`.
+      impl: None (auto: the kernel only when the jnp path's n x n matrix would be large),
+        True (Pallas) or False (jnp); see `use_pallas`.
 
     Returns:
       float32 [B, K, n - window].
     """
     kw = dict(window=window, threshold=threshold, retain=retain)
-    if use_pallas(impl):
+    b, k, n, _ = keys.shape
+    if use_pallas(impl, dense_bytes=b * k * n * n * 4):  # the float32 [B, K, n, n] similarity
         return redundancy_pallas(keys, valid, **kw, interpret=_interpret())
     from rkvjax import compression  # deferred: compression imports this package
 
@@ -82,7 +91,8 @@ def topk_positions(scores, k, *, impl: bool | None = None):
     Args:
       scores: [B, K, m] float scores, -inf for invalid candidates.
       k: static number kept, 1 <= k <= m.
-      impl: None (auto), True (Pallas) or False (jnp); see `use_pallas`.
+      impl: None (auto: jnp, as `lax.top_k` holds no large intermediate), True (Pallas) or
+        False (jnp); see `use_pallas`.
 
     Returns:
       int32 [B, K, k] ascending positions (ties towards the lower position).

@@ -47,3 +47,17 @@ def compiler_params(interpret: bool, n_axes: int):
 
         return pltriton.CompilerParams(num_warps=4, num_stages=2)
     return None
+
+
+# Auto (`use_pallas(None)`) moves redundancy to the O(n) kernel when the jnp path's dense
+# n x n float32 matrix would exceed this share of device memory (or DENSE_FALLBACK_BYTES when
+# the backend does not report its memory). XLA holds about 1.4x that matrix in temporaries.
+DENSE_SHARE = 1 / 16
+DENSE_FALLBACK_BYTES = 1 << 30
+
+
+def dense_limit_bytes() -> int:
+    """Largest dense intermediate the auto kernel choice leaves to the jnp path."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit * DENSE_SHARE) if limit else DENSE_FALLBACK_BYTES

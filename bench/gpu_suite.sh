@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one pass of about eight minutes on one H200:
+#   1. the compiled Pallas kernels, the compression and the engine against their references
+#      (the `gpu`-marked tests, skipped on CPU, and the engine and policy suites on the GPU);
+#   2. the redundancy kernel against the jnp path (time and compiled memory vs n);
+#   3. decode speed of a random-init DeepSeek-R1-Distill-Qwen-1.5B-shaped model in bfloat16,
+#      rkvjax against transformers on the same GPU, and R-KV against FullKV as the context grows.
+#
+#   bash bench/gpu_suite.sh [OUT_DIR]      # default bench/results/gpu
+#
+# Each step has its own time limit and log, and a failing step does not stop the next one.
+# Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs rkvjax
+# itself (editable, without dependencies) when it is not importable. Results: JSON lines in
+# OUT_DIR, summarised in bench/README.md.
+set -u
+out=${1:-${OUT:-bench/results/gpu}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+ckpt=${RKVJAX_GPU_CKPT:-/tmp/rkvjax-r1-distill-qwen-1.5b-random}
+
+step() {  # step NAME SECONDS CMD...: output to $out/NAME.log, status and tail on stdout
+	local name=$1 secs=$2 t0=$SECONDS
+	shift 2
+	echo "=== $name (limit ${secs}s): $*"
+	timeout "$secs" "$@" >"$out/$name.log" 2>&1
+	local rc=$?
+	echo "=== $name rc=$rc in $((SECONDS - t0))s"
+	tail -n 30 "$out/$name.log"
+}
+
+# Editable: the tests import `rkvjax` from the source tree, where only an editable install maps
+# `rkvjax.models` and `rkvjax.convert` (models/, convert/).
+if ! (cd / && $py -c "import rkvjax.convert" 2>/dev/null); then
+	$py -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+fi
+$py - <<'EOF'
+import jax, flax, torch, transformers
+print("jax", jax.__version__, "flax", flax.__version__, "torch", torch.__version__,
+      "transformers", transformers.__version__, jax.devices())
+EOF
+
+step tests 200 $py -m pytest -q -p no:cacheprovider -m "not slow" -o "addopts=" -rs \
+	tests/test_kernels.py tests/test_compression.py tests/test_policy.py tests/test_engine.py
+step kernel 60 $py bench/kernel_redundancy.py --sizes 1024 4096 8192 --batch 4 --kv-heads 8
+step checkpoint 45 $py bench/random_checkpoint.py r1-distill-qwen-1.5b "$ckpt" \
+	--dtype bfloat16 --std 0.02
+step decode 180 $py bench/decode_throughput.py --model "$ckpt" --dtype bfloat16 --batch 1 32 \
+	--new-tokens 256 --repeats 3 --hf-threads 16 --hf-bf16-repeats 3 --bandwidth-mib 4096 --out "$out/decode.jsonl"
+step memory_speed 120 $py bench/memory_speed.py --model "$ckpt" --dtype bfloat16 \
+	--methods full rkv --budget 1024 --contexts 4096 16384 --new-tokens 256 --repeats 3 --skip-capacity \
+	--out "$out/memory_speed.jsonl" --plot /tmp/memory_speed.png
