@@ -61,6 +61,24 @@ def test_restore_into_other_meshes(converted, source, shape):
     )
 
 
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")  # Orbax's restore, as wanted
+def test_reader_agrees_with_orbax(converted):
+    """`read_params` reads Orbax's on-disk layout with tensorstore directly. It must equal
+    Orbax's own restore, cast included, so a layout change in Orbax fails here."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as ckpt:
+        stored = ckpt.restore(converted / checkpoint.WEIGHTS)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for dtype in (jnp.float32, jnp.bfloat16):
+        target = {k: jax.ShapeDtypeStruct(v.shape, dtype, sharding=one) for k, v in stored.items()}
+        got = checkpoint.read_params(converted, target)
+        assert got.keys() == stored.keys()
+        for k, v in stored.items():
+            assert got[k].dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v).astype(dtype), k)
+
+
 def test_generate_from_converted(converted, source):
     got = rkvjax.generate(rkvjax.load(converted), PROMPTS, method="rkv", **GEN)
     want = rkvjax.generate(rkvjax.load(source, dtype="float32"), PROMPTS, method="rkv", **GEN)
