@@ -38,7 +38,7 @@ from rkvjax import sharding
 from rkvjax.config import ModelConfig
 
 FORMAT = "rkvjax-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weights stored [out, in] (features-major decoder)
 MARKER = "rkvjax_checkpoint.json"
 WEIGHTS = "weights"
 # Files copied from the source folder; config.json is required, the rest when present.

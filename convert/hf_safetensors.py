@@ -100,20 +100,20 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Rule]:
     """Every tensor a checkpoint of `cfg` must hold, by its Hugging Face name."""
     d, f, n, k, h, v = cfg.embed, cfg.ffw, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size
 
-    def t(*shape):  # [out, in] linear weight -> [in, *shape]
-        return lambda w: w.T.reshape(shape)
+    def t(*shape):  # [out, in] linear weight (or [out] bias) -> our [*out, in] split shape
+        return lambda w: w.reshape(shape)
 
     same = lambda w: w
     per_layer = {
         "input_layernorm.weight": (("attn_norm",), (d,), same),
         "post_attention_layernorm.weight": (("mlp_norm",), (d,), same),
-        "self_attn.q_proj.weight": (("attn", "wq"), (n * h, d), t(d, n, h)),
-        "self_attn.k_proj.weight": (("attn", "wk"), (k * h, d), t(d, k, h)),
-        "self_attn.v_proj.weight": (("attn", "wv"), (k * h, d), t(d, k, h)),
-        "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h), t(n, h, d)),
-        "mlp.gate_proj.weight": (("mlp", "gate"), (f, d), t(d, f)),
-        "mlp.up_proj.weight": (("mlp", "up"), (f, d), t(d, f)),
-        "mlp.down_proj.weight": (("mlp", "down"), (d, f), t(f, d)),
+        "self_attn.q_proj.weight": (("attn", "wq"), (n * h, d), t(n, h, d)),
+        "self_attn.k_proj.weight": (("attn", "wk"), (k * h, d), t(k, h, d)),
+        "self_attn.v_proj.weight": (("attn", "wv"), (k * h, d), t(k, h, d)),
+        "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h), t(d, n, h)),
+        "mlp.gate_proj.weight": (("mlp", "gate"), (f, d), same),
+        "mlp.up_proj.weight": (("mlp", "up"), (f, d), same),
+        "mlp.down_proj.weight": (("mlp", "down"), (d, f), same),
     }
     if cfg.qkv_bias:
         per_layer["self_attn.q_proj.bias"] = (("attn", "bq"), (n * h,), t(n, h))
@@ -129,7 +129,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Rule]:
         "model.norm.weight": (("norm",), (d,), same),
     }
     if not cfg.tie_embeddings:
-        rules["lm_head.weight"] = (("lm_head",), (v, d), t(d, v))
+        rules["lm_head.weight"] = (("lm_head",), (v, d), same)
     for i in range(cfg.num_layers):
         for name, (path, shape, fn) in per_layer.items():
             rules[f"model.layers.{i}.{name}"] = (("layers", i, *path), shape, fn)

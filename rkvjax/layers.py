@@ -26,11 +26,13 @@ def f32_dot_operands(*xs: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(x.astype(jnp.float32) if x.dtype != jnp.float32 else x for x in xs)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x [..., D], w [D] -> [..., D]; normalises in float32 like the reference implementations."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, axis: int = -1) -> jax.Array:
+    """x with D features on `axis`, w [D] -> x's shape; normalises in float32 like the reference
+    implementations."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    w = w.astype(jnp.float32).reshape((-1,) + (1,) * (x.ndim - 1 - axis % x.ndim))
+    return (xf * w).astype(x.dtype)
 
 
 def masked_softmax(x: jax.Array, mask: jax.Array) -> jax.Array:

@@ -65,11 +65,11 @@ def reference(single):
 
 def test_weights_are_sharded(load_sharded):
     m = load_sharded(4, 2)
-    wq = m.decoder.layers[0].attn.wq[...]  # [D, N, H]
-    assert wq.sharding.spec == m.rules.spec("embed", "q_heads", "head_dim")
-    assert tuple(wq.sharding.spec) == (None, "model", None)
-    assert {s.data.shape for s in wq.addressable_shards} == {(64, 2, 16)}  # half the heads
-    down = m.decoder.layers[0].mlp.down[...]  # [F, D]
+    wq = m.decoder.layers[0].attn.wq[...]  # [N, H, D]
+    assert wq.sharding.spec == m.rules.spec("q_heads", "head_dim", "embed")
+    assert tuple(wq.sharding.spec) == ("model", None, None)
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 64)}  # half the heads
+    down = m.decoder.layers[0].mlp.down[...]  # [D, F]
     assert {s.data.shape for s in down.addressable_shards} == {(64, 64)}
     # 97 does not split over 2 devices: the vocab axis is replicated instead of refused.
     assert m.rules.vocab is None
