@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one pass of about eight minutes on one H200:
+# Everything that needs a GPU, in one pass of about ten minutes on one H200:
 #   1. the compiled Pallas kernels, the compression and the engine against their references
 #      (the `gpu`-marked tests, skipped on CPU, and the engine and policy suites on the GPU);
 #   2. the redundancy kernel against the jnp path (time and compiled memory vs n);
 #   3. decode speed of a random-init DeepSeek-R1-Distill-Qwen-1.5B-shaped model in bfloat16,
-#      rkvjax against transformers on the same GPU, and R-KV against FullKV as the context grows.
+#      rkvjax against transformers on the same GPU, and R-KV against FullKV as the context grows;
+#   4. loading that model onto the GPU from safetensors and from an `rkvjax convert` folder.
 #
 #   bash bench/gpu_suite.sh [OUT_DIR]      # default bench/results/gpu
 #
@@ -50,3 +51,6 @@ step decode 180 $py bench/decode_throughput.py --model "$ckpt" --dtype bfloat16 
 step memory_speed 120 $py bench/memory_speed.py --model "$ckpt" --dtype bfloat16 \
 	--methods full rkv --budget 1024 --contexts 4096 16384 --new-tokens 256 --repeats 3 --skip-capacity \
 	--out "$out/memory_speed.jsonl" --plot /tmp/memory_speed.png
+# Several processes share the GPU here, so none may take JAX's default 75% up front.
+step load_time 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py bench/load_time.py --model "$ckpt" \
+	--dtype bfloat16 --repeats 3 --out "$out/load_time.jsonl"

@@ -1,6 +1,9 @@
 """Load time and peak host memory: a Hugging Face safetensors folder against the same weights
 converted by `rkvjax convert` (Orbax).
 
+Both formats store the dtype being loaded: for `--dtype bfloat16` the Hugging Face folder is
+first rewritten in bfloat16 (as real checkpoints such as R1-Distill ship), so neither side casts.
+
 Each load runs in a fresh process (no JAX state or allocator reuse carries over), alternating
 formats, and reports the median. The child times `rkvjax.load` alone, until every weight is on
 device, and reads its peak resident set (VmHWM, reset just before the load, so it is the load's
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +67,22 @@ def _read_all(folder: Path) -> None:
                     pass
 
 
+def safetensors_copy(folder: Path, out: Path, dtype: str) -> Path:
+    """`folder` with its safetensors tensors cast to `dtype` (config and tokenizer files kept)."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    out.mkdir(parents=True)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    for f in folder.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.astype(np_dtype) for k, v in load_file(f).items()}, out / f.name)
+        elif f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -88,7 +108,8 @@ def main(argv=None) -> None:
     hf_folder = rkvjax.load(args.model, dtype=args.dtype).path  # prepares a .gguf / the default
     with tempfile.TemporaryDirectory() as tmp:
         orbax_folder = checkpoint.convert(hf_folder, Path(tmp) / "converted", dtype=args.dtype)
-        formats = {"safetensors": hf_folder, "orbax": orbax_folder}
+        st_folder = safetensors_copy(hf_folder, Path(tmp) / "hf", args.dtype)
+        formats = {"safetensors": st_folder, "orbax": orbax_folder}
         for folder in formats.values():
             _read_all(folder)
         runs = {name: [] for name in formats}

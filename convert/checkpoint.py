@@ -136,6 +136,7 @@ def restore(
     Raises:
       CheckpointError: if the stored parameters do not match the model `config.json` describes.
     """
+    read_marker(folder)  # the format version, whatever dtype the caller asked for
     if mesh is not None and rules is None:
         rules = sharding.check_divisible(cfg, mesh)
     graphdef, spec = nnx.split(abstract_decoder(cfg, dtype))

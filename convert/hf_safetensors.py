@@ -188,7 +188,7 @@ def load_weights(
                 f"{folder}: tensor {name} has shape {tuple(raw.shape)}, expected {hf_shape} "
                 "from config.json"
             )
-        arr = fn(np.asarray(raw, dtype=np.float32))
+        arr = fn(np.asarray(raw))  # stored dtype: `_place` casts once, to `dtype`
         axes = flat_spec[path].get_metadata()["axes"]
         values[path] = flat_spec[path].replace(_place(arr, dtype, axes, mesh, rules))
     if values.keys() != flat_spec.keys():  # the rule table and the model must agree exactly

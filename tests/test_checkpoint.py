@@ -117,6 +117,8 @@ def test_errors(converted, tmp_path):
     (bad / checkpoint.MARKER).write_text(json.dumps({**meta, "version": 99}))
     with pytest.raises(checkpoint.CheckpointError, match="convert the source again"):
         rkvjax.load(bad)
+    with pytest.raises(checkpoint.CheckpointError, match="convert the source again"):
+        rkvjax.load(bad, dtype="bfloat16")  # checked when the dtype is given too
     shutil.rmtree(bad / checkpoint.WEIGHTS)
     (bad / checkpoint.MARKER).write_text(json.dumps(meta))
     with pytest.raises(checkpoint.CheckpointError, match="interrupted"):
