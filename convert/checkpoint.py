@@ -8,8 +8,8 @@
       tokenizer.json, tokenizer_config.json, generation_config.json   as in the source
       weights/                 Orbax (tensorstore) checkpoint, one array per parameter
 
-The weights are stored already converted: in the decoder's own layout ([in, heads, head_dim]
-projections, llama.cpp's Q/K permute undone) and dtype, so a load is a read with no host-side
+The weights are stored already converted: in the decoder's own layout ([out, in] projections
+split by heads, llama.cpp's Q/K permute undone) and dtype, so a load is a read with no host-side
 transposes or dequantization. Each process reads only the blocks of its own devices' shards of
 the target mesh, so the model is never gathered on one device or host, whatever mesh the
 checkpoint was written from.
