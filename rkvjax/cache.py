@@ -99,15 +99,17 @@ def pad_slots(x: jax.Array, capacity: int, value=0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _write_row(buf: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
-    """buf [K, C, ...] <- new [K, 1, ...] at slot `at` of one row.
+def _write_at(buf: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
+    """buf [B, K, C, ...] <- new [B, K, ...] at slot at[b] of each row b.
 
-    dynamic_update_slice clamps an out-of-range start instead of failing; the engine sizes the
-    cache so `at < C` always holds (FullKV: prompt + max_new_tokens; compressing methods compress
-    before the append that would overflow).
+    One scatter, which writes B x K slots. A vmapped dynamic_update_slice became a select that
+    read and rewrote the whole buffer: decode at 4K context went from 7.6 to 9.2 tok/s (FullKV)
+    and 18.4 to 21.5 (R-KV) without it. The engine sizes the cache so `at < C` always holds
+    (FullKV: prompt + max_new_tokens; compressing methods compress before the append that would
+    overflow); an out-of-range slot would be dropped, not clamped onto another.
     """
-    start = (0, at) + (0,) * (buf.ndim - 2)
-    return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+    rows = jnp.arange(buf.shape[0])
+    return buf.at[rows, :, at].set(new.astype(buf.dtype), mode="drop")
 
 
 def _replace_layer(xs: tuple, layer: int, x) -> tuple:
@@ -123,12 +125,11 @@ def write(cache: KVCache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) 
       q: [B, 1, N, H] the token's query: shifted into the observation ring if there is one.
       k, v: [B, 1, K, H] the token's key (post-RoPE) and value.
     """
-    put = jax.vmap(_write_row)  # over rows: each row writes at its own slot
     b, _, kh, _ = k.shape
-    sp_new = jnp.broadcast_to(cache.pos[:, None, None], (b, kh, 1))  # [B, K, 1]
-    new_k = put(cache.k[layer], jnp.swapaxes(k, 1, 2), cache.length)
-    new_v = put(cache.v[layer], jnp.swapaxes(v, 1, 2), cache.length)
-    new_sp = put(cache.slot_pos[layer], sp_new, cache.length)
+    at = cache.length  # [B] each row writes at its own slot
+    new_k = _write_at(cache.k[layer], k[:, 0], at)  # k[:, 0] [B, K, H]
+    new_v = _write_at(cache.v[layer], v[:, 0], at)
+    new_sp = _write_at(cache.slot_pos[layer], jnp.broadcast_to(cache.pos[:, None], (b, kh)), at)
     q_win = cache.q_win
     if q_win:
         ring = q_win[layer]  # [B, N, W, H]; order inside the ring does not matter to scoring
