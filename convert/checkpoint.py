@@ -24,6 +24,7 @@ both readers agree.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -203,9 +204,12 @@ def read_params(folder: Path, target: dict[str, jax.ShapeDtypeStruct]) -> dict[s
 _ALIGN = 64  # XLA:CPU adopts host buffers aligned to this without a copy
 
 
+def _nbytes(shape: tuple[int, ...], dtype) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
 def _padded(shape: tuple[int, ...], dtype) -> int:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return -(-nbytes // _ALIGN) * _ALIGN
+    return -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
 
 
 class _Arena:
@@ -224,9 +228,7 @@ class _Arena:
         self._at = 0  # mappings start on a page boundary
 
     def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        out = self._raw[self._at : self._at + nbytes].view(dtype).reshape(shape)
+        out = self._raw[self._at : self._at + _nbytes(shape, dtype)].view(dtype).reshape(shape)
         self._at += _padded(shape, dtype)
         return out
 
