@@ -102,14 +102,21 @@ def pad_slots(x: jax.Array, capacity: int, value=0) -> jax.Array:
 def _write_at(buf: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
     """buf [B, K, C, ...] <- new [B, K, ...] at slot at[b] of each row b.
 
-    One scatter, which writes B x K slots. A vmapped dynamic_update_slice became a select that
-    read and rewrote the whole buffer: decode at 4K context went from 7.6 to 9.2 tok/s (FullKV)
-    and 18.4 to 21.5 (R-KV) without it. The engine sizes the cache so `at < C` always holds
-    (FullKV: prompt + max_new_tokens; compressing methods compress before the append that would
-    overflow); an out-of-range slot would be dropped, not clamped onto another.
+    One scatter with an index per (row, KV head), so B x K slots are written in place. Two
+    other forms made XLA:CPU read or copy whole caches every step: a vmapped
+    dynamic_update_slice became a select over the whole buffer (decode at 4K context went from
+    7.6 to 9.2 tok/s without it), and a scatter with one index per row became a single
+    dynamic_update_slice at batch 1, which XLA duplicated into the attention that reads it and
+    then copied the layer's cache 3 times to feed both. The engine sizes the cache so
+    `at < C` always holds (FullKV: prompt + max_new_tokens; compressing methods compress
+    before the append that would overflow); an out-of-range slot would be dropped, not clamped
+    onto another.
     """
-    rows = jnp.arange(buf.shape[0])
-    return buf.at[rows, :, at].set(new.astype(buf.dtype), mode="drop")
+    b, k = buf.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, k))  # [B, K]
+    heads = jnp.broadcast_to(jnp.arange(k)[None, :], (b, k))
+    slots = jnp.broadcast_to(at[:, None], (b, k))
+    return buf.at[rows, heads, slots].set(new.astype(buf.dtype), mode="drop")
 
 
 def _replace_layer(xs: tuple, layer: int, x) -> tuple:

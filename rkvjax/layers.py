@@ -127,8 +127,10 @@ def attention(
     m = mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]  # [B, K|1, 1, T, S]
     logits = jnp.where(m, logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
-    out = jnp.einsum(f"BKGTS,{kv_spec}->BTKGH", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    # Output in the scores' order: asked for [B, T, K, G, H] directly, XLA:CPU computed the
+    # transposed product and so copied every layer's V cache into [K, H, S] on each decode step.
+    out = jnp.einsum(f"BKGTS,{kv_spec}->BKGTH", probs, v, preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
 def causal_mask(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
