@@ -116,10 +116,7 @@ def main(argv=None) -> None:
         for _ in range(args.repeats):
             for name, folder in formats.items():
                 runs[name].append(_child(folder, args.dtype))
-        sizes = {
-            n: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-            for n, p in formats.items()
-        }
+        sizes = {name: _folder_bytes(folder) for name, folder in formats.items()}
     rows = []
     for name, rs in runs.items():
         row = {

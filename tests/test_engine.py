@@ -1,6 +1,7 @@
 """The compiled decode loop: cache vs full forward, ragged batches, sampling, compile counts."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,46 @@ def test_cached_decode_equals_full_forward(model):
     # Prefill moves each row's tokens to the front of its slots: fill levels differ per row.
     assert np.asarray(c.length).tolist() == [5 + 20, 12 + 20]
     assert np.asarray(c.pos).tolist() == [5 + 20, 12 + 20]
+
+
+def _top_level_ops(hlo: str) -> list[tuple[str, int]]:
+    """(opcode, element count) of every instruction outside fusion bodies in optimized HLO."""
+    fused = set(re.findall(r"calls=(%[\w.-]+)", hlo))
+    ops, inside_fusion = [], False
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?(%[\w.-]+) ", line)
+        if head:
+            inside_fusion = head.group(1) in fused
+        m = re.match(r"\s+(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", line)
+        if m and not inside_fusion:
+            dims = [int(d) for d in m.group(1).split(",") if d]
+            ops.append((m.group(2), int(np.prod(dims))))
+    return ops
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own fusion decisions")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_step_writes_the_cache_in_place(model, batch):
+    """Per layer, the only full-size results in the compiled decode step are the K and V
+    appends: no copy or transpose of a layer's cache, which costs as much as reading it."""
+    cfg = model.decoder.cfg
+    capacity = 37  # a size no weight shares
+    plan = engine.DecodePlan(
+        sampling=SamplingConfig(),
+        compression=CompressionConfig(),
+        stop_ids=(),
+        capacity=capacity,
+        max_new=8,
+    )
+    tokens = jnp.asarray(_prompts([5] * batch), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (batch, 5))
+    given = jnp.zeros((batch, 8), jnp.int32)
+    state = engine.prefill(model.decoder, tokens, pos, given, jax.random.key(0), plan=plan)
+    hlo = engine.decode.lower(model.decoder, state, steps=4, plan=plan).compile().as_text()
+    layer_cache = batch * cfg.kv_heads * capacity * cfg.head_dim
+    full_size = [op for op, n in _top_level_ops(hlo) if n == layer_cache]
+    writes = [op for op in full_size if op not in ("get-tuple-element", "bitcast", "parameter")]
+    assert len(writes) == 2 * cfg.num_layers, sorted(writes)
 
 
 def test_ragged_batch_equals_one_by_one(model):
