@@ -100,25 +100,25 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Rule]:
     """Every tensor a checkpoint of `cfg` must hold, by its Hugging Face name."""
     d, f, n, k, h, v = cfg.embed, cfg.ffw, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size
 
-    def t(*shape):  # [out, in] linear weight (or [out] bias) -> our [*out, in] split shape
+    def split(*shape):  # HF's flat (heads * head_dim) axis -> our separate heads axes
         return lambda w: w.reshape(shape)
 
     same = lambda w: w
     per_layer = {
         "input_layernorm.weight": (("attn_norm",), (d,), same),
         "post_attention_layernorm.weight": (("mlp_norm",), (d,), same),
-        "self_attn.q_proj.weight": (("attn", "wq"), (n * h, d), t(n, h, d)),
-        "self_attn.k_proj.weight": (("attn", "wk"), (k * h, d), t(k, h, d)),
-        "self_attn.v_proj.weight": (("attn", "wv"), (k * h, d), t(k, h, d)),
-        "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h), t(d, n, h)),
+        "self_attn.q_proj.weight": (("attn", "wq"), (n * h, d), split(n, h, d)),
+        "self_attn.k_proj.weight": (("attn", "wk"), (k * h, d), split(k, h, d)),
+        "self_attn.v_proj.weight": (("attn", "wv"), (k * h, d), split(k, h, d)),
+        "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h), split(d, n, h)),
         "mlp.gate_proj.weight": (("mlp", "gate"), (f, d), same),
         "mlp.up_proj.weight": (("mlp", "up"), (f, d), same),
         "mlp.down_proj.weight": (("mlp", "down"), (d, f), same),
     }
     if cfg.qkv_bias:
-        per_layer["self_attn.q_proj.bias"] = (("attn", "bq"), (n * h,), t(n, h))
-        per_layer["self_attn.k_proj.bias"] = (("attn", "bk"), (k * h,), t(k, h))
-        per_layer["self_attn.v_proj.bias"] = (("attn", "bv"), (k * h,), t(k, h))
+        per_layer["self_attn.q_proj.bias"] = (("attn", "bq"), (n * h,), split(n, h))
+        per_layer["self_attn.k_proj.bias"] = (("attn", "bk"), (k * h,), split(k, h))
+        per_layer["self_attn.v_proj.bias"] = (("attn", "bv"), (k * h,), split(k, h))
     if cfg.o_bias:
         per_layer["self_attn.o_proj.bias"] = (("attn", "bo"), (d,), same)
     if cfg.qk_norm:
