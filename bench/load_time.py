@@ -5,10 +5,14 @@ Both formats store the dtype being loaded: for `--dtype bfloat16` the Hugging Fa
 first rewritten in bfloat16 (as real checkpoints such as R1-Distill ship), so neither side casts.
 
 Each load runs in a fresh process (no JAX state or allocator reuse carries over), alternating
-formats, and reports the median. The child times `rkvjax.load` alone, until every weight is on
-device, and reads its peak resident set (VmHWM, reset just before the load, so it is the load's
-own peak; Linux only). The files are read once before timing, so both formats load from the OS
-page cache: this measures the loader, not the disk.
+formats, and reports medians. The child times `rkvjax.load` (config, weights and tokenizer) until
+every weight is on device, and within it the format's own weight reader (`weights_s`); importing
+JAX and Flax happens before, timed apart (`startup_s`). It reads the load's peak resident set
+(VmHWM, reset just before the load, so it is the load's own peak; Linux only), then again once
+every weight byte has been read: a memory-mapped weight only becomes resident when first used,
+so the second figure is what the model holds when it runs. The files are
+read once before timing, so both formats load from the OS page cache: this measures the loader,
+not the disk.
 
     python bench/load_time.py                      # default model, float32
     python bench/load_time.py --dtype bfloat16 --repeats 5
@@ -31,21 +35,39 @@ import jax
 HERE = Path(__file__).resolve().parent
 _CHILD = r"""
 import json, sys, time
+t0 = time.perf_counter()
 import jax
+import numpy as np
 import rkvjax
+from rkvjax.convert import checkpoint, hf_safetensors  # imports Flax: start-up, timed apart
 def rss():  # this process's peak resident set since the last reset (Linux)
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
+weights_s = []
+def timed(read):  # the format's own weight reader, until every weight is on device
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        decoder = jax.block_until_ready(read(*args, **kwargs))
+        weights_s.append(time.perf_counter() - t)
+        return decoder
+    return wrapper
+checkpoint.restore = timed(checkpoint.restore)
+hf_safetensors.load_weights = timed(hf_safetensors.load_weights)
 path, dtype = sys.argv[1], sys.argv[2]
 jax.devices()  # backend start-up is not part of a load
+startup = time.perf_counter() - t0
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets VmHWM to the current resident set
 before = rss()
 t0 = time.perf_counter()
 model = rkvjax.load(path, dtype=dtype)
-jax.block_until_ready(jax.tree.leaves(model.decoder))
-print(json.dumps({"load_s": time.perf_counter() - t0, "rss_before": before, "rss_peak": rss()}))
+jax.block_until_ready(model.decoder)
+load_s, peak = time.perf_counter() - t0, rss()
+for x in jax.tree.leaves(model.decoder):  # reads every weight byte, as the first step will
+    np.asarray(x).view(np.uint8).sum()
+print(json.dumps({"load_s": load_s, "weights_s": weights_s[0], "startup_s": startup,
+                  "rss_before": before, "rss_peak": peak, "rss_in_use": rss()}))
 """
 
 
@@ -127,6 +149,8 @@ def main(argv=None) -> None:
             "repeats": args.repeats,
             "load_s": statistics.median(r["load_s"] for r in rs),
             "load_s_runs": [r["load_s"] for r in rs],
+            "weights_s": statistics.median(r["weights_s"] for r in rs),
+            "startup_s": statistics.median(r["startup_s"] for r in rs),
             "peak_rss_bytes": statistics.median(r["rss_peak"] for r in rs),
             "rss_before_load_bytes": statistics.median(r["rss_before"] for r in rs),
             "folder_bytes": sizes[name],
@@ -135,6 +159,9 @@ def main(argv=None) -> None:
             "load_avg_1m": os.getloadavg()[0],
         }
         row["peak_rss_added_bytes"] = row["peak_rss_bytes"] - row["rss_before_load_bytes"]
+        row["rss_in_use_added_bytes"] = (
+            statistics.median(r["rss_in_use"] for r in rs) - row["rss_before_load_bytes"]
+        )
         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a", encoding="utf-8") as f:
@@ -143,15 +170,16 @@ def main(argv=None) -> None:
             print(json.dumps(row))
     base = rows[0]
     print(
-        f"\n{'format':>12} {'load s':>7} {'x faster':>8} {'peak RSS MiB':>12} {'added MiB':>9} "
-        f"{'on disk MiB':>11}",
+        f"\n{'format':>12} {'load s':>7} {'x faster':>8} {'weights s':>9} {'x faster':>8} "
+        f"{'load MiB':>8} {'in use MiB':>10} {'on disk MiB':>11}",
         file=sys.stderr,
     )
     for r in rows:
         print(
             f"{r['format']:>12} {r['load_s']:>7.2f} {base['load_s'] / r['load_s']:>8.2f} "
-            f"{r['peak_rss_bytes'] / 2**20:>12.0f} {r['peak_rss_added_bytes'] / 2**20:>9.0f} "
-            f"{r['folder_bytes'] / 2**20:>11.0f}",
+            f"{r['weights_s']:>9.3f} {base['weights_s'] / r['weights_s']:>8.2f} "
+            f"{r['peak_rss_added_bytes'] / 2**20:>8.0f} "
+            f"{r['rss_in_use_added_bytes'] / 2**20:>10.0f} {r['folder_bytes'] / 2**20:>11.0f}",
             file=sys.stderr,
         )
 

@@ -14,18 +14,27 @@ transposes or dequantization. Each process reads only the blocks of its own devi
 the target mesh, so the model is never gathered on one device or host, whatever mesh the
 checkpoint was written from.
 
-Orbax writes the checkpoint; `restore` reads its arrays with tensorstore, the library Orbax
-itself reads them with, issuing every shard's read at once. Orbax's own restore took 1.25 s of
-a 1.9 s load of the default model, mostly per-array asyncio and metadata work for 272 small
-arrays; the direct reads take about 0.3 s (`bench/README.md`). `test_checkpoint` checks that
-both readers agree.
+Orbax writes the checkpoint, one uncompressed zarr3 array per parameter. `restore` reads it
+without Orbax's restore, which spent 1.25 s of a 1.9 s load of the default model on per-array
+asyncio and metadata work for 272 small arrays. A block a device needs that is exactly one stored
+chunk, in the dtype asked for, is memory-mapped from its chunk file, page-aligned, so a CPU
+device adopts the page cache's pages without a copy (safetensors tensors rarely start on the
+64-byte boundary this needs, so that reader mostly copies). Any other block (another mesh's
+shards, a cast) is read with tensorstore, the library Orbax itself reads with, all reads in
+flight together. `bench/README.md` has the numbers; `test_checkpoint` checks both readers
+against Orbax's restore.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import mmap
+import os
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -39,7 +48,7 @@ from rkvjax import sharding
 from rkvjax.config import ModelConfig
 
 FORMAT = "rkvjax-orbax"
-FORMAT_VERSION = 2  # 2: weights stored [out, in] (features-major decoder)
+FORMAT_VERSION = 3  # 2: weights stored [out, in]; 3: one zarr3 array per folder, no OCDBT
 MARKER = "rkvjax_checkpoint.json"
 WEIGHTS = "weights"
 # Files copied from the source folder; config.json is required, the rest when present.
@@ -107,7 +116,7 @@ def save(
         shutil.rmtree(tmp)
     _sync("rkvjax-convert-start")
     params = _flat_params(decoder)
-    with _checkpointer() as ckpt:
+    with _checkpointer() as ckpt, _quiet_ocdbt_merge():
         ckpt.save(tmp / WEIGHTS, args=ocp.args.PyTreeSave(params))
     if primary:
         for name in _SIDE_FILES:
@@ -156,49 +165,148 @@ def restore(
 def read_params(folder: Path, target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
     """The stored parameters named by `target`, as arrays with its shapes, dtypes and shardings.
 
-    Every distinct shard this process's devices hold is read once, all reads in flight together,
-    memory-mapped, into 64-byte-aligned host buffers (cast on the way when `target` asks for
-    another dtype): `jax.device_put` adopts such buffers on CPU without a copy.
+    Every distinct block this process's devices hold is read once. A block that is one whole
+    stored chunk in the target dtype is memory-mapped from its file (no copy: `jax.device_put`
+    adopts page-aligned host memory on CPU). The others are read with tensorstore, all in flight
+    together, into 64-byte-aligned host buffers, cast on the way when `target` asks for another
+    dtype.
 
     Raises:
       CheckpointError: if the stored names or shapes differ from `target`'s.
     """
+    _check_params(folder, _stored_names(folder), target)
+    weights = (folder / WEIGHTS).resolve()
+    meta = {k: _zarr_metadata(folder, k) for k in target}
+    _check_shapes(folder, {k: m["shape"] for k, m in meta.items()}, target)
+    placements = {k: t.sharding.addressable_devices_indices_map(t.shape) for k, t in target.items()}
+    blocks, unmapped = {}, {}  # (name, block index) -> host array | the block's index
+    for k, t in target.items():
+        chunk = _mappable_chunk_shape(meta[k], t.dtype)
+        for index in placements[k].values():
+            key = (k, _index_key(index))
+            if key in blocks or key in unmapped:
+                continue
+            mapped = None if chunk is None else _mapped_chunk(weights / k, chunk, index, t)
+            if mapped is None:
+                unmapped[key] = index
+            else:
+                blocks[key] = mapped
+    if unmapped:
+        blocks.update(_read_blocks(weights, unmapped, target))
+    names, devices = [], []
+    for k in target:
+        names += [(k, _index_key(i)) for i in placements[k].values()]
+        devices += list(placements[k])
+    shards = iter(jax.device_put([blocks[n] for n in names], devices))  # one batched transfer
+    return {
+        k: jax.make_array_from_single_device_arrays(
+            t.shape, t.sharding, [next(shards) for _ in placements[k]]
+        )
+        for k, t in target.items()
+    }
+
+
+def _read_blocks(
+    weights: Path, blocks: dict[tuple, tuple], target: dict
+) -> dict[tuple, np.ndarray]:
+    """Reads each (name, block index) -> index of `blocks` with tensorstore, all reads in
+    flight together, into one host arena, cast to the target dtype on the way."""
     import tensorstore as ts
 
-    _check_params(folder, _stored_names(folder), target)
-    base = f"file://{(folder / WEIGHTS).resolve()}"
-    context = ts.Context({"file_io_mode": {"mode": "memmap"}})  # shared: one OCDBT manifest
+    context = ts.Context({"file_io_mode": {"mode": "memmap"}})
+    names = sorted({k for k, _ in blocks})
     opening = {
-        k: ts.open(
-            {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": k}},
-            context=context,
-        )
-        for k in target
+        k: ts.open({"driver": "zarr3", "kvstore": f"file://{weights}/{k}/"}, context=context)
+        for k in names
     }
     stored = {k: f.result() for k, f in opening.items()}
-    _check_shapes(folder, {k: tuple(a.shape) for k, a in stored.items()}, target)
-    placements = {k: t.sharding.addressable_devices_indices_map(t.shape) for k, t in target.items()}
-    sources = {}  # (name, shard index) -> stored block, cast to the target dtype
-    for k, t in target.items():
-        dtype = ts.dtype(jnp.dtype(t.dtype).name)
-        for index in placements[k].values():
-            src = stored[k][index].translate_to[0]
-            sources.setdefault(
-                (k, _index_key(index)), src if src.dtype == dtype else ts.cast(src, dtype)
-            )
+    sources = {}
+    for (k, i), index in blocks.items():
+        src = stored[k][index].translate_to[0]
+        dtype = ts.dtype(jnp.dtype(target[k].dtype).name)
+        sources[k, i] = src if src.dtype == dtype else ts.cast(src, dtype)
     arena = _Arena(sum(_padded(s.shape, target[k].dtype) for (k, _), s in sources.items()))
-    blocks, writes = {}, []
+    out, writes = {}, []
     for (k, i), src in sources.items():
-        blocks[k, i] = arena.take(src.shape, target[k].dtype)
-        writes.append(ts.array(blocks[k, i], copy=False, write=True).write(src))
+        out[k, i] = arena.take(src.shape, target[k].dtype)
+        writes.append(ts.array(out[k, i], copy=False, write=True).write(src))
     for w in writes:
         w.result()
-    out = {}
-    for k, t in target.items():
-        placed = placements[k]
-        shards = jax.device_put([blocks[k, _index_key(i)] for i in placed.values()], list(placed))
-        out[k] = jax.make_array_from_single_device_arrays(t.shape, t.sharding, shards)
     return out
+
+
+# A zarr3 array whose chunks are shards of one inner chunk each, stored as raw little-endian
+# bytes followed by the shard index (offset, length) and its checksum: what Orbax writes
+# uncompressed. The chunk's bytes are then the array block itself.
+_INDEX_CODECS = [
+    {"name": "bytes", "configuration": {"endian": "little"}},
+    {"name": "crc32c"},
+]
+_RAW = [{"name": "bytes", "configuration": {"endian": "little"}}]
+_INDEX_BYTES = 8 + 8 + 4  # offset, length (uint64 each), crc32c (uint32)
+_MISSING = 2**64 - 1  # the index's marker for a chunk never written (all fill value)
+
+
+def _zarr_metadata(folder: Path, name: str) -> dict:
+    """Parameter `name`'s zarr3 array metadata (its `zarr.json`)."""
+    path = folder / WEIGHTS / name / "zarr.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta["shape"] = tuple(meta["shape"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{folder}: unreadable metadata of parameter {name} ({e!r})"
+        ) from None
+    return meta
+
+
+def _mappable_chunk_shape(meta: dict, dtype) -> tuple[int, ...] | None:
+    """The chunk shape when the array `meta` describes stores its chunks as raw `dtype` blocks
+    that can be mapped, else None (tensorstore reads any other layout)."""
+    try:
+        chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        encoding = meta["chunk_key_encoding"]
+        (codec,) = meta["codecs"]
+        config = codec["configuration"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if (
+        sys.byteorder != "little"
+        or meta["data_type"] != jnp.dtype(dtype).name
+        or encoding.get("name") != "default"
+        or encoding.get("configuration", {}).get("separator", "/") != "/"
+        or codec.get("name") != "sharding_indexed"
+        or config.get("chunk_shape") != chunk
+        or config.get("codecs") != _RAW
+        or config.get("index_codecs") != _INDEX_CODECS
+        or config.get("index_location", "end") != "end"
+    ):
+        return None
+    return tuple(chunk)
+
+
+def _mapped_chunk(array: Path, chunk, index, target) -> np.ndarray | None:
+    """Block `index` of `target`, stored in folder `array`, memory-mapped read-only from its
+    chunk file when that block is exactly one written chunk; None otherwise."""
+    bounds = [i.indices(n)[:2] for i, n in zip(index, target.shape, strict=True)]
+    if any(stop - start != c or start % c for (start, stop), c in zip(bounds, chunk, strict=True)):
+        return None
+    coords = (str(start // c) for (start, _), c in zip(bounds, chunk, strict=True))
+    try:
+        with open(array.joinpath("c", *coords), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            tail = os.pread(f.fileno(), 16, size - _INDEX_BYTES)
+            offset, length = struct.unpack("<QQ", tail)
+            if (
+                offset == _MISSING
+                or length != _nbytes(chunk, target.dtype)
+                or offset + length > size - _INDEX_BYTES
+            ):
+                return None
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError, struct.error):  # never written (all fill value), or truncated
+        return None
+    return np.frombuffer(mapping, target.dtype, math.prod(chunk), offset).reshape(chunk)
 
 
 _ALIGN = 64  # XLA:CPU adopts host buffers aligned to this without a copy
@@ -221,8 +329,6 @@ class _Arena:
     """
 
     def __init__(self, nbytes: int):
-        import mmap
-
         mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._raw = np.frombuffer(mapping, np.uint8)
         self._at = 0  # mappings start on a page boundary
@@ -239,12 +345,29 @@ def _index_key(index: tuple) -> tuple:
 
 
 def _checkpointer():
-    """A synchronous Orbax checkpointer. Weights are stored as uncompressed zarr3 arrays in one
-    OCDBT database: float weights barely compress (zstd saved little on the default model), and
-    decompression made restores slower."""
+    """A synchronous Orbax checkpointer writing each weight as an uncompressed zarr3 array in its
+    own folder. Float weights barely compress (zstd saved little on the default model) and
+    decompressing slowed restores. Without OCDBT's shared data files, each chunk's bytes sit at a
+    known place in a file of their own, which `_mapped_chunk` maps without a copy."""
     import orbax.checkpoint as ocp
 
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False))
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False)
+    return ocp.Checkpointer(handler)
+
+
+@contextlib.contextmanager
+def _quiet_ocdbt_merge():
+    """Drops Orbax's warning that a save found no OCDBT files to merge: this format has none."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT" not in record.getMessage()
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _stored_names(folder: Path) -> set[str]:

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,35 @@ def test_restore_into_other_meshes(converted, source, shape):
     np.testing.assert_array_equal(
         np.asarray(rkvjax.logits(got, PROMPTS[2])), np.asarray(rkvjax.logits(want, PROMPTS[2]))
     )
+
+
+def _mapped_file(a: np.ndarray) -> str | None:
+    """The file whose memory mapping holds `a`'s first byte (Linux), None for anonymous memory."""
+    at = a.ctypes.data
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= at < hi:
+                return rest[4] if len(rest) > 4 and rest[4].startswith("/") else None
+    return None
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not Path("/proc/self/maps").exists(),
+    reason="checks CPU device buffers against Linux's memory map",
+)
+def test_whole_chunks_are_mapped_not_copied(source, tmp_path):
+    """Loaded on one CPU device, every parameter is one stored chunk, and its device buffer must
+    be that chunk file's pages (the load's speed and host memory rest on it). A cast cannot be:
+    it is read, and must be anonymous memory."""
+    out = checkpoint.convert(source, tmp_path / "one", dtype="float32")
+    weights = (out / checkpoint.WEIGHTS).resolve()
+    for k, v in checkpoint._flat_params(rkvjax.load(out).decoder).items():
+        f = _mapped_file(np.asarray(v))
+        assert f is not None and Path(f).is_relative_to(weights / k), (k, f)
+    for k, v in checkpoint._flat_params(rkvjax.load(out, dtype="bfloat16").decoder).items():
+        assert _mapped_file(np.asarray(v)) is None, k
 
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")  # Orbax's restore, as wanted
