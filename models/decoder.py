@@ -73,7 +73,8 @@ class Attention(nnx.Module):
         """x [D, B, T], rope = (cos, sin) [B, T, H] -> ([D, B, T], state)."""
         cfg = self.cfg
         q, k, v = (
-            _heads_last(jnp.einsum("NHD,DBT->NHBT", w[...], x)) for w in (self.wq, self.wk, self.wv)
+            _heads_last(layers.project("NHD,DBT->NHBT", w[...], x))
+            for w in (self.wq, self.wk, self.wv)
         )
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
@@ -86,7 +87,8 @@ class Attention(nnx.Module):
         # wo weight into another layout on every decode step.
         b, t, n, h = o.shape
         wo = self.wo[...]
-        out = jnp.einsum("DE,BTE->DBT", wo.reshape(wo.shape[0], n * h), o.reshape(b, t, n * h))
+        o = o.reshape(b, t, n * h).transpose(2, 0, 1)  # [E, B, T], features first
+        out = layers.project("DE,EBT->DBT", wo.reshape(wo.shape[0], n * h), o)
         if cfg.o_bias:
             out = out + self.bo[...][:, None, None]
         return out, state
@@ -101,9 +103,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         """x [D, B, T] -> [D, B, T] (SwiGLU)."""
-        g = jnp.einsum("FD,DBT->FBT", self.gate[...], x)
-        u = jnp.einsum("FD,DBT->FBT", self.up[...], x)
-        return jnp.einsum("DF,FBT->DBT", self.down[...], jax.nn.silu(g) * u)
+        g = layers.project("FD,DBT->FBT", self.gate[...], x)
+        u = layers.project("FD,DBT->FBT", self.up[...], x)
+        return layers.project("DF,FBT->DBT", self.down[...], jax.nn.silu(g) * u)
 
 
 class Block(nnx.Module):
@@ -137,7 +139,7 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: Attend, state):
         """tokens, positions [B, T] int32 -> (final-normed hidden [B, T, D], state)."""
-        x = jnp.take(self.embed[...], tokens, axis=0).transpose(2, 0, 1)  # [D, B, T]
+        x = layers.embed_lookup(self.embed[...], tokens).transpose(2, 0, 1)  # [D, B, T]
         rope = layers.rope_tables(positions, self.cfg)
         for i, block in enumerate(self.layers):
             x, state = block(x, rope, lambda q, k, v, s, i=i: attend(i, q, k, v, s), state)
@@ -147,8 +149,8 @@ class Decoder(nnx.Module):
     def head(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits [B, T, V] in float32."""
         w = self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]  # [V, D]
-        x, w = layers.f32_dot_operands(x, w)
-        return jnp.einsum("BTD,VD->BTV", x, w, preferred_element_type=jnp.float32)
+        logits = layers.project("VD,DBT->VBT", w, x.transpose(2, 0, 1), dtype=jnp.float32)
+        return logits.transpose(1, 2, 0)
 
 
 def abstract_decoder(cfg: ModelConfig, dtype=jnp.float32) -> Decoder:

@@ -15,15 +15,35 @@ from rkvjax.config import ModelConfig
 MASK_VALUE = float(np.finfo(np.float32).min)
 
 
-def f32_dot_operands(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    """Operands for a dot that must accumulate in float32 (`preferred_element_type=f32`).
+def project(spec: str, w: jax.Array, x: jax.Array, *, dtype=None) -> jax.Array:
+    """A weight product `einsum(spec, w, x)`, accumulated in float32, returned in `dtype`
+    (default: x's).
 
-    XLA:CPU has no bfloat16 x bfloat16 -> float32 dot ("Unsupported element type for
-    DotThunk"), so on CPU low-precision operands are upcast first; GPU/TPU take them as they are.
+    `w` is stored [out, in] and `x` is features-first, [in, *columns], with the columns last in
+    the output too: the order in which XLA:CPU's products stream the weight matrix.
+
+    bfloat16 operands stay bfloat16. XLA:CPU hands a bfloat16 x bfloat16 -> float32 product to
+    YNNPACK, which reads the weights at half the bytes; any other bfloat16 product it widens to
+    float32, and as weights are loop-invariant the widened copies were hoisted out of the decode
+    loop, so a bfloat16 model decoded from float32 copies at float32 speed. YNNPACK takes no
+    matrix-vector products, so a single column (batch-1 decode) is padded to two.
     """
-    if jax.default_backend() != "cpu":
-        return xs
-    return tuple(x.astype(jnp.float32) if x.dtype != jnp.float32 else x for x in xs)
+    pad = jax.default_backend() == "cpu" and w.dtype == jnp.bfloat16 and math.prod(x.shape[1:]) == 1
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros_like(x)], axis=-1)
+    out = jnp.einsum(spec, w, x, preferred_element_type=jnp.float32)
+    return (out[..., :1] if pad else out).astype(x.dtype if dtype is None else dtype)
+
+
+def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table [V, D], ids [...] (already checked to lie in [0, V)) -> rows [..., D].
+
+    The rows are gathered as same-width unsigned integers. A bfloat16 gather led XLA:CPU to widen
+    the whole table to float32 for the lookup, a copy that it hoisted out of the decode loop.
+    """
+    bits = jnp.dtype(f"uint{table.dtype.itemsize * 8}")
+    rows = jnp.take(jax.lax.bitcast_convert_type(table, bits), ids, axis=0, mode="clip")
+    return jax.lax.bitcast_convert_type(rows, table.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, axis: int = -1) -> jax.Array:
@@ -121,7 +141,6 @@ def attention(
         # measured slower at batch 8.
         qg, q_spec = qg.transpose(0, 2, 3, 1, 4), "BKGTH"
     kv_spec = "BSKH" if kv_axis == 1 else "BKSH"
-    qg, k, v = f32_dot_operands(qg, k, v)
     logits = jnp.einsum(f"{q_spec},{kv_spec}->BKGTS", qg, k, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(h))
     m = mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]  # [B, K|1, 1, T, S]

@@ -71,28 +71,25 @@ def test_cached_decode_equals_full_forward(model):
     assert np.asarray(c.pos).tolist() == [5 + 20, 12 + 20]
 
 
-def _top_level_ops(hlo: str) -> list[tuple[str, int]]:
-    """(opcode, element count) of every instruction outside fusion bodies in optimized HLO."""
+def _top_level_ops(hlo: str, *, dtype: bool = False) -> list[tuple]:
+    """(opcode, element count[, element type]) of every instruction outside fusion bodies in
+    optimized HLO."""
     fused = set(re.findall(r"calls=(%[\w.-]+)", hlo))
     ops, inside_fusion = [], False
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?(%[\w.-]+) ", line)
         if head:
             inside_fusion = head.group(1) in fused
-        m = re.match(r"\s+(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", line)
+        m = re.match(r"\s+(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(", line)
         if m and not inside_fusion:
-            dims = [int(d) for d in m.group(1).split(",") if d]
-            ops.append((m.group(2), int(np.prod(dims))))
+            dims = [int(d) for d in m.group(2).split(",") if d]
+            op = (m.group(3), int(np.prod(dims)))
+            ops.append((*op, m.group(1)) if dtype else op)
     return ops
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own fusion decisions")
-@pytest.mark.parametrize("batch", [1, 3])
-def test_decode_step_writes_the_cache_in_place(model, batch):
-    """Per layer, the only full-size results in the compiled decode step are the K and V
-    appends: no copy or transpose of a layer's cache, which costs as much as reading it."""
-    cfg = model.decoder.cfg
-    capacity = 37  # a size no weight shares
+def _compiled_decode(decoder, batch: int, capacity: int) -> str:
+    """The optimized HLO of a 4-step decode call after a 5-token prefill of `batch` rows."""
     plan = engine.DecodePlan(
         sampling=SamplingConfig(),
         compression=CompressionConfig(),
@@ -103,12 +100,35 @@ def test_decode_step_writes_the_cache_in_place(model, batch):
     tokens = jnp.asarray(_prompts([5] * batch), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (batch, 5))
     given = jnp.zeros((batch, 8), jnp.int32)
-    state = engine.prefill(model.decoder, tokens, pos, given, jax.random.key(0), plan=plan)
-    hlo = engine.decode.lower(model.decoder, state, steps=4, plan=plan).compile().as_text()
+    state = engine.prefill(decoder, tokens, pos, given, jax.random.key(0), plan=plan)
+    return engine.decode.lower(decoder, state, steps=4, plan=plan).compile().as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own fusion decisions")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_step_writes_the_cache_in_place(model, batch):
+    """Per layer, the only full-size results in the compiled decode step are the K and V
+    appends: no copy or transpose of a layer's cache, which costs as much as reading it."""
+    cfg = model.decoder.cfg
+    capacity = 37  # a size no weight shares
+    hlo = _compiled_decode(model.decoder, batch, capacity)
     layer_cache = batch * cfg.kv_heads * capacity * cfg.head_dim
     full_size = [op for op, n in _top_level_ops(hlo) if n == layer_cache]
     writes = [op for op in full_size if op not in ("get-tuple-element", "bitcast", "parameter")]
     assert len(writes) == 2 * cfg.num_layers, sorted(writes)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own dot lowering")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bfloat16_decode_reads_bfloat16_weights(tiny_checkpoint, batch):
+    """A bfloat16 model's compiled decode holds no float32 copy of any weight matrix: widened
+    copies are loop-invariant, so XLA hoists them out of the loop and every step reads float32.
+    Batch 1 checks the padded matrix-vector case."""
+    decoder = rkvjax.load(tiny_checkpoint("llama3_rope")[0], dtype="bfloat16").decoder
+    sizes = {x.size for x in jax.tree.leaves(decoder) if x.ndim >= 2}
+    hlo = _compiled_decode(decoder, batch, capacity=37)
+    widened = [(op, n) for op, n, t in _top_level_ops(hlo, dtype=True) if n in sizes and t == "f32"]
+    assert not widened
 
 
 def test_ragged_batch_equals_one_by_one(model):
