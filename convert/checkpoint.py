@@ -48,7 +48,7 @@ from rkvjax import sharding
 from rkvjax.config import ModelConfig
 
 FORMAT = "rkvjax-orbax"
-FORMAT_VERSION = 3  # 2: weights stored [out, in]; 3: one zarr3 array per folder, no OCDBT
+FORMAT_VERSION = 4  # 2: weights [out, in]; 3: a zarr3 folder per array, no OCDBT; 4: fused wqkv
 MARKER = "rkvjax_checkpoint.json"
 WEIGHTS = "weights"
 # Files copied from the source folder; config.json is required, the rest when present.
@@ -79,7 +79,7 @@ def read_marker(folder: Path) -> dict:
 
 
 def _key(path: tuple) -> str:
-    """An NNX state path ('layers', 3, 'attn', 'wq') -> 'layers.3.attn.wq' (Orbax tree key)."""
+    """An NNX state path ('layers', 3, 'attn', 'wo') -> 'layers.3.attn.wo' (Orbax tree key)."""
     return ".".join(str(p) for p in path)
 
 

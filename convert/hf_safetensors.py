@@ -2,8 +2,9 @@
 
 Files are memory-mapped and read per tensor (NumPy + ml_dtypes, so bfloat16 works and torch is
 never needed); each tensor is checked, reshaped into our layout and placed on device before the next
-is read, so host memory never holds the whole model twice. On a mesh each tensor goes straight
-into its target sharding: every device receives only its own block, never the whole model.
+is read (a layer's q, k and v together: they form one weight), so host memory never holds the
+whole model twice. On a mesh each tensor goes straight into its target sharding: every device
+receives only its own block, never the whole model.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,33 +94,38 @@ def open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
     return where
 
 
-# HF name -> (our state path, HF shape, transform into our layout)
+# HF name -> (our state path, HF shape, transform into our layout). Several HF tensors may fill
+# one parameter: their transformed pieces are concatenated along axis 1, in table order.
 Rule = tuple[tuple, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
+PIECES_AXIS = 1
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, Rule]:
     """Every tensor a checkpoint of `cfg` must hold, by its Hugging Face name."""
     d, f, n, k, h, v = cfg.embed, cfg.ffw, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.vocab_size
+    g = n // k
 
     def split(*shape):  # HF's flat (heads * head_dim) axis -> our separate heads axes
         return lambda w: w.reshape(shape)
 
     same = lambda w: w
+    # q, k and v fill wqkv [K, G + 2, H, D]: KV head j holds query heads j * G ... j * G + G - 1
+    # (HF's grouping), then its key and value heads.
     per_layer = {
         "input_layernorm.weight": (("attn_norm",), (d,), same),
         "post_attention_layernorm.weight": (("mlp_norm",), (d,), same),
-        "self_attn.q_proj.weight": (("attn", "wq"), (n * h, d), split(n, h, d)),
-        "self_attn.k_proj.weight": (("attn", "wk"), (k * h, d), split(k, h, d)),
-        "self_attn.v_proj.weight": (("attn", "wv"), (k * h, d), split(k, h, d)),
+        "self_attn.q_proj.weight": (("attn", "wqkv"), (n * h, d), split(k, g, h, d)),
+        "self_attn.k_proj.weight": (("attn", "wqkv"), (k * h, d), split(k, 1, h, d)),
+        "self_attn.v_proj.weight": (("attn", "wqkv"), (k * h, d), split(k, 1, h, d)),
         "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h), split(d, n, h)),
         "mlp.gate_proj.weight": (("mlp", "gate"), (f, d), same),
         "mlp.up_proj.weight": (("mlp", "up"), (f, d), same),
         "mlp.down_proj.weight": (("mlp", "down"), (d, f), same),
     }
     if cfg.qkv_bias:
-        per_layer["self_attn.q_proj.bias"] = (("attn", "bq"), (n * h,), split(n, h))
-        per_layer["self_attn.k_proj.bias"] = (("attn", "bk"), (k * h,), split(k, h))
-        per_layer["self_attn.v_proj.bias"] = (("attn", "bv"), (k * h,), split(k, h))
+        per_layer["self_attn.q_proj.bias"] = (("attn", "bqkv"), (n * h,), split(k, g, h))
+        per_layer["self_attn.k_proj.bias"] = (("attn", "bqkv"), (k * h,), split(k, 1, h))
+        per_layer["self_attn.v_proj.bias"] = (("attn", "bqkv"), (k * h,), split(k, 1, h))
     if cfg.o_bias:
         per_layer["self_attn.o_proj.bias"] = (("attn", "bo"), (d,), same)
     if cfg.qk_norm:
@@ -180,7 +187,8 @@ def load_weights(
         raise CheckpointError(f"{folder}: missing tensor(s) {missing[:5]} ({len(missing)} in all)")
     graphdef, spec = nnx.split(abstract_decoder(cfg, dtype))
     flat_spec = dict(nnx.to_flat_state(spec))
-    values = {}
+    values, pieces = {}, {}
+    wanted = Counter(path for path, _, _ in table.values())
     for name, (path, hf_shape, fn) in table.items():
         raw = tensors[name].get(name)
         if tuple(raw.shape) != hf_shape:
@@ -188,7 +196,11 @@ def load_weights(
                 f"{folder}: tensor {name} has shape {tuple(raw.shape)}, expected {hf_shape} "
                 "from config.json"
             )
-        arr = fn(np.asarray(raw))  # stored dtype: `_place` casts once, to `dtype`
+        pieces.setdefault(path, []).append(fn(np.asarray(raw)))  # stored dtype: cast once, below
+        if len(pieces[path]) < wanted[path]:
+            continue
+        parts = pieces.pop(path)
+        arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=PIECES_AXIS)
         axes = flat_spec[path].get_metadata()["axes"]
         values[path] = flat_spec[path].replace(_place(arr, dtype, axes, mesh, rules))
     if values.keys() != flat_spec.keys():  # the rule table and the model must agree exactly

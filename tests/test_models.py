@@ -53,6 +53,6 @@ def test_bfloat16_close_to_float32(tiny_checkpoint):
     ids = _ids(1, 40)
     f32 = np.asarray(rkvjax.logits(rkvjax.load(folder, dtype="float32"), ids))
     bf16_model = rkvjax.load(folder, dtype="bfloat16")
-    assert bf16_model.decoder.layers[0].attn.wq[...].dtype == jnp.bfloat16
+    assert bf16_model.decoder.layers[0].attn.wqkv[...].dtype == jnp.bfloat16
     bf16 = np.asarray(rkvjax.logits(bf16_model, ids))
     np.testing.assert_allclose(bf16, f32, atol=LOGITS_ATOL[jnp.bfloat16], rtol=0)

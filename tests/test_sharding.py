@@ -65,10 +65,13 @@ def reference(single):
 
 def test_weights_are_sharded(load_sharded):
     m = load_sharded(4, 2)
-    wq = m.decoder.layers[0].attn.wq[...]  # [N, H, D]
-    assert wq.sharding.spec == m.rules.spec("q_heads", "head_dim", "embed")
-    assert tuple(wq.sharding.spec) == ("model", None, None)
-    assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 64)}  # half the heads
+    wqkv = m.decoder.layers[0].attn.wqkv[...]  # [K, G + 2, H, D]
+    assert wqkv.sharding.spec == m.rules.spec("kv_heads", None, "head_dim", "embed")
+    assert tuple(wqkv.sharding.spec) == ("model", None, None, None)
+    # One KV head per device, with its 2 query heads, its key and its value.
+    assert {s.data.shape for s in wqkv.addressable_shards} == {(1, 4, 16, 64)}
+    wo = m.decoder.layers[0].attn.wo[...]  # [D, N, H]
+    assert {s.data.shape for s in wo.addressable_shards} == {(64, 2, 16)}  # half the heads
     down = m.decoder.layers[0].mlp.down[...]  # [D, F]
     assert {s.data.shape for s in down.addressable_shards} == {(64, 64)}
     # 97 does not split over 2 devices: the vocab axis is replicated instead of refused.
