@@ -123,7 +123,23 @@ def _replace_layer(xs: tuple, layer: int, x) -> tuple:
     return (*xs[:layer], x, *xs[layer + 1 :])
 
 
-def write(cache: KVCache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+def _append(k_buf, v_buf, sp_buf, k, v, pos, at):
+    """The three per-layer appends (`_write_at`): k, v [B, K, H], pos [B, K], at [B]."""
+    return _write_at(k_buf, k, at), _write_at(v_buf, v, at), _write_at(sp_buf, pos, at)
+
+
+_NEW_KV_AXES = ("batch", "kv_heads", "head_dim")
+_APPEND_IN = (KV_AXES, KV_AXES, SLOT_AXES, _NEW_KV_AXES, _NEW_KV_AXES, SLOT_AXES[:2], ROW_AXES)
+
+
+def write(
+    cache: KVCache,
+    layer: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    rules: sharding.ShardingRules | None = None,
+) -> KVCache:
     """Appends one token per row to `layer`, at each row's own `length`.
 
     Args:
@@ -131,12 +147,22 @@ def write(cache: KVCache, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) 
       layer: layer index (static).
       q: [B, 1, N, H] the token's query: shifted into the observation ring if there is one.
       k, v: [B, 1, K, H] the token's key (post-RoPE) and value.
+      rules: the mesh's sharding rules (None on one device).
     """
     b, _, kh, _ = k.shape
-    at = cache.length  # [B] each row writes at its own slot
-    new_k = _write_at(cache.k[layer], k[:, 0], at)  # k[:, 0] [B, K, H]
-    new_v = _write_at(cache.v[layer], v[:, 0], at)
-    new_sp = _write_at(cache.slot_pos[layer], jnp.broadcast_to(cache.pos[:, None], (b, kh)), at)
+    # Per device under a mesh: the automatic partitioner did not see that the scatter's rows and
+    # heads follow the cache's sharding, and all-gathered the new keys, values and indices of
+    # every layer on every step.
+    append = sharding.local(_append, rules, _APPEND_IN, (KV_AXES, KV_AXES, SLOT_AXES))
+    new_k, new_v, new_sp = append(
+        cache.k[layer],
+        cache.v[layer],
+        cache.slot_pos[layer],
+        k[:, 0],  # [B, K, H]
+        v[:, 0],
+        jnp.broadcast_to(cache.pos[:, None], (b, kh)),
+        cache.length,  # [B] each row writes at its own slot
+    )
     q_win = cache.q_win
     if q_win:
         ring = q_win[layer]  # [B, N, W, H]; order inside the ring does not matter to scoring

@@ -117,9 +117,9 @@ def _causal_attend(positions: jax.Array):
     return attend
 
 
-def _cache_attend(i, q, k, v, cache: kv.KVCache):
+def _cache_attend(i, q, k, v, cache: kv.KVCache, rules: sharding.ShardingRules | None = None):
     """attend() for decode: append this token to the cache, then attend over the cache."""
-    cache = kv.write(cache, i, q, k, v)
+    cache = kv.write(cache, i, q, k, v, rules)
     out = layers.attention(q, cache.k[i], cache.v[i], cache.attend_mask(i), kv_axis=2)
     return out, cache
 
@@ -231,7 +231,8 @@ def _decode_step(model, s: DecodeState, plan: DecodePlan) -> DecodeState:
         s.cache, plan.compression, s.thinking, plan.rules, active=~s.done
     )
     last = jnp.take(s.tokens, s.step - 1, axis=1)  # [B]
-    x, cache = model.hidden(last[:, None], cache.pos[:, None], _cache_attend, cache)
+    attend = functools.partial(_cache_attend, rules=plan.rules)
+    x, cache = model.hidden(last[:, None], cache.pos[:, None], attend, cache)
     # Pinned every step, so the loop carry keeps the prefill's [B->data, K->model] layout.
     cache = kv.constrain(kv.advance(cache), plan.rules)
     tok, logp, top1, dist = _next_token(model.head(x)[:, 0], s.tokens, s.step, s.key, plan)

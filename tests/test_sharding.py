@@ -1,6 +1,7 @@
 """Data + tensor parallel runs over a ("data", "model") mesh of 8 CPU devices equal one device."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 
 import rkvjax
 from rkvjax import cache as kv
-from rkvjax import cli, policy, sharding
+from rkvjax import cli, engine, policy, sharding
 from rkvjax.config import CompressionConfig
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
@@ -142,6 +143,33 @@ def test_compression_compiles_without_collectives():
     assert [op for op in COLLECTIVES if op in auto.as_text()]  # the check can see collectives
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_decode_step_gathers_nothing(load_sharded, monkeypatch):
+    """On a mesh, a compiled decode chunk's only collectives are tensor parallelism's all-reduces
+    of the attention and MLP outputs ([D, B, 1] each) and scalar flags. The cache append once
+    all-gathered every layer's new keys, values and scatter indices on every step."""
+    m = load_sharded(4, 2)
+    seen = []
+    real = engine.decode
+
+    def spy(decoder, state, *, steps, plan):
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
+        seen.append((shapes, plan))
+        return real(decoder, state, steps=steps, plan=plan)
+
+    monkeypatch.setattr(engine, "decode", spy)
+    rkvjax.generate(m, PROMPTS, method="rkv", **GEN)
+    state, plan = seen[0]
+    with jax.set_mesh(m.mesh):
+        hlo = real.lower(m.decoder, state, steps=4, plan=plan).compile().as_text()
+    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
+    rows = state.tokens.shape[0] // 4  # per data shard: 3 prompts, padded to 4 rows
+    activation = f"{m.config.embed},{rows},1"
+    assert {(op, dims) for _, dims, op in found} <= {("all-reduce", activation), ("all-reduce", "")}
+    assert sum(1 for _, dims, op in found if dims) == 2 * m.config.num_layers
 
 
 def test_divisibility_errors(single, folder):
