@@ -14,15 +14,17 @@ transposes or dequantization. Each process reads only the blocks of its own devi
 the target mesh, so the model is never gathered on one device or host, whatever mesh the
 checkpoint was written from.
 
-Orbax writes the checkpoint, one uncompressed zarr3 array per parameter. `restore` reads it
-without Orbax's restore, which spent 1.25 s of a 1.9 s load of the default model on per-array
-asyncio and metadata work for 272 small arrays. A block a device needs that is exactly one stored
-chunk, in the dtype asked for, is memory-mapped from its chunk file, page-aligned, so a CPU
-device adopts the page cache's pages without a copy (safetensors tensors rarely start on the
-64-byte boundary this needs, so that reader mostly copies). Any other block (another mesh's
-shards, a cast) is read with tensorstore, the library Orbax itself reads with, all reads in
-flight together. `bench/README.md` has the numbers; `test_checkpoint` checks both readers
-against Orbax's restore.
+Orbax writes the checkpoint, one uncompressed zarr3 array per parameter, without OCDBT: a file
+per parameter and shard (a large model converted on a large mesh makes many files). `restore`
+reads it without Orbax's restore, which spent 1.25 s of a 1.9 s load of the default model on
+per-array asyncio and metadata work for 272 small arrays. A block a device needs that is exactly
+one stored chunk in the dtype asked for (every weight, for a folder converted and loaded on one
+device, or converted and loaded on the same mesh) is memory-mapped from its chunk file,
+page-aligned, so a CPU device adopts the page cache's pages without a copy (no tensor of the
+default model's safetensors file starts on the 64-byte boundary this needs, so that reader
+copies). Any other block (another mesh's shards, a cast) is read with tensorstore, the library
+Orbax itself reads with, all reads in flight together. `bench/README.md` has the numbers;
+`test_checkpoint` checks both readers against Orbax's restore.
 """
 
 from __future__ import annotations
@@ -180,13 +182,16 @@ def read_params(folder: Path, target: dict[str, jax.ShapeDtypeStruct]) -> dict[s
     _check_shapes(folder, {k: m["shape"] for k, m in meta.items()}, target)
     placements = {k: t.sharding.addressable_devices_indices_map(t.shape) for k, t in target.items()}
     blocks, unmapped = {}, {}  # (name, block index) -> host array | the block's index
+    budget = _mapping_budget()
     for k, t in target.items():
         chunk = _mappable_chunk_shape(meta[k], t.dtype)
         for index in placements[k].values():
             key = (k, _index_key(index))
             if key in blocks or key in unmapped:
                 continue
-            mapped = None if chunk is None else _mapped_chunk(weights / k, chunk, index, t)
+            mapped = None
+            if chunk is not None and len(blocks) < budget:
+                mapped = _mapped_chunk(weights / k, chunk, index, t)
             if mapped is None:
                 unmapped[key] = index
             else:
@@ -243,7 +248,9 @@ _INDEX_CODECS = [
     {"name": "crc32c"},
 ]
 _RAW = [{"name": "bytes", "configuration": {"endian": "little"}}]
-_INDEX_BYTES = 8 + 8 + 4  # offset, length (uint64 each), crc32c (uint32)
+# offset, length (uint64 each), crc32c (uint32). The checksum is not verified: a damaged index
+# shows up as an offset or length that does not fit, and then tensorstore, which checks it, reads.
+_INDEX_BYTES = 8 + 8 + 4
 _MISSING = 2**64 - 1  # the index's marker for a chunk never written (all fill value)
 
 
@@ -264,7 +271,8 @@ def _mappable_chunk_shape(meta: dict, dtype) -> tuple[int, ...] | None:
     """The chunk shape when the array `meta` describes stores its chunks as raw `dtype` blocks
     that can be mapped, else None (tensorstore reads any other layout)."""
     try:
-        chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        grid = meta["chunk_grid"]
+        chunk = grid["configuration"]["chunk_shape"]
         encoding = meta["chunk_key_encoding"]
         (codec,) = meta["codecs"]
         config = codec["configuration"]
@@ -272,7 +280,8 @@ def _mappable_chunk_shape(meta: dict, dtype) -> tuple[int, ...] | None:
         return None
     if (
         sys.byteorder != "little"
-        or meta["data_type"] != jnp.dtype(dtype).name
+        or meta.get("data_type") != jnp.dtype(dtype).name
+        or grid.get("name") != "regular"
         or encoding.get("name") != "default"
         or encoding.get("configuration", {}).get("separator", "/") != "/"
         or codec.get("name") != "sharding_indexed"
@@ -285,9 +294,28 @@ def _mappable_chunk_shape(meta: dict, dtype) -> tuple[int, ...] | None:
     return tuple(chunk)
 
 
+def _mapping_budget() -> int:
+    """How many chunk files one load may keep mapped. Before Python 3.13 (`trackfd=False`) each
+    mapping holds a file descriptor for as long as the weight lives, so they may take a quarter
+    of the process's limit; the rest of the blocks are read."""
+    if sys.version_info >= (3, 13):
+        return sys.maxsize
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return 0
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return sys.maxsize if soft == resource.RLIM_INFINITY else soft // 4
+
+
 def _mapped_chunk(array: Path, chunk, index, target) -> np.ndarray | None:
-    """Block `index` of `target`, stored in folder `array`, memory-mapped read-only from its
-    chunk file when that block is exactly one written chunk; None otherwise."""
+    """Block `index` of `target`, stored in folder `array`, memory-mapped from its chunk file
+    when that block is exactly one written chunk; None otherwise.
+
+    The mapping is private (copy-on-write), so the buffer is writable like any other host array
+    and nothing written to it reaches the file. Pages not yet read still come from the file: a
+    converted folder must be replaced (as `rkvjax convert --overwrite` does, by renaming), never
+    rewritten in place, while a model loaded from it is alive."""
     bounds = [i.indices(n)[:2] for i, n in zip(index, target.shape, strict=True)]
     if any(stop - start != c or start % c for (start, stop), c in zip(bounds, chunk, strict=True)):
         return None
@@ -303,7 +331,8 @@ def _mapped_chunk(array: Path, chunk, index, target) -> np.ndarray | None:
                 or offset + length > size - _INDEX_BYTES
             ):
                 return None
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            kwargs = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY, **kwargs)
     except (OSError, ValueError, struct.error):  # never written (all fill value), or truncated
         return None
     return np.frombuffer(mapping, target.dtype, math.prod(chunk), offset).reshape(chunk)
@@ -357,7 +386,8 @@ def _checkpointer():
 
 @contextlib.contextmanager
 def _quiet_ocdbt_merge():
-    """Drops Orbax's warning that a save found no OCDBT files to merge: this format has none."""
+    """Drops Orbax's warning that a save found no OCDBT files to merge: this format has none.
+    Matched on its text: should Orbax reword it, the warning shows again, nothing worse."""
 
     def keep(record: logging.LogRecord) -> bool:
         return "Skipping merge of OCDBT" not in record.getMessage()

@@ -150,6 +150,9 @@ class Decoder(nnx.Module):
     def head(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits [B, T, V] in float32."""
         w = self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]  # [V, D]
+        if x.shape[1] > 1:  # a full forward: [V, B, T] logits would cost a transposed copy
+            return jnp.einsum("BTD,VD->BTV", x, w, preferred_element_type=jnp.float32)
+        # One token per row (decode, the prefill's last token): the projections' own path.
         logits = layers.project("VD,DBT->VBT", w, x.transpose(2, 0, 1), dtype=jnp.float32)
         return logits.transpose(1, 2, 0)
 

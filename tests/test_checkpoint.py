@@ -93,8 +93,10 @@ def test_whole_chunks_are_mapped_not_copied(source, tmp_path):
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")  # Orbax's restore, as wanted
 def test_reader_agrees_with_orbax(converted):
-    """`read_params` reads Orbax's on-disk layout with tensorstore directly. It must equal
-    Orbax's own restore, cast included, so a layout change in Orbax fails here."""
+    """`read_params` reads Orbax's on-disk layout itself: whole chunks memory-mapped (here the
+    replicated norms, stored as one chunk), the rest with tensorstore (the other weights, stored
+    as a 4 x 2 mesh's shards, and every cast). It must equal Orbax's own restore, so a layout
+    change in Orbax fails here."""
     import orbax.checkpoint as ocp
 
     with ocp.PyTreeCheckpointer() as ckpt:

@@ -145,11 +145,8 @@ def test_compression_compiles_without_collectives():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_decode_step_gathers_nothing(load_sharded, monkeypatch):
-    """On a mesh, a compiled decode chunk's only collectives are tensor parallelism's all-reduces
-    of the attention and MLP outputs ([D, B, 1] each) and scalar flags. The cache append once
-    all-gathered every layer's new keys, values and scatter indices on every step."""
-    m = load_sharded(4, 2)
+def _compiled_decode(model, monkeypatch) -> str:
+    """Optimized HLO of the decode chunk `generate` runs for PROMPTS on `model`'s mesh."""
     seen = []
     real = engine.decode
 
@@ -161,15 +158,43 @@ def test_decode_step_gathers_nothing(load_sharded, monkeypatch):
         return real(decoder, state, steps=steps, plan=plan)
 
     monkeypatch.setattr(engine, "decode", spy)
-    rkvjax.generate(m, PROMPTS, method="rkv", **GEN)
+    rkvjax.generate(model, PROMPTS, method="rkv", **GEN)
     state, plan = seen[0]
-    with jax.set_mesh(m.mesh):
-        hlo = real.lower(m.decoder, state, steps=4, plan=plan).compile().as_text()
-    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
-    rows = state.tokens.shape[0] // 4  # per data shard: 3 prompts, padded to 4 rows
+    with jax.set_mesh(model.mesh):
+        return real.lower(model.decoder, state, steps=4, plan=plan).compile().as_text()
+
+
+def test_decode_step_gathers_nothing(load_sharded, monkeypatch):
+    """On a mesh, a compiled decode chunk's only collectives are tensor parallelism's all-reduces
+    of the attention and MLP outputs ([D, B, 1] each) and scalar flags. The cache append once
+    all-gathered every layer's new keys, values and scatter indices on every step."""
+    m = load_sharded(4, 2)
+    hlo = _compiled_decode(m, monkeypatch)
+    ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
+    assert set(ops) == {"all-reduce"}, sorted(set(ops))
+    shaped = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-reduce(?:-start)?\(", hlo)
+    assert len(shaped) == ops.count("all-reduce")  # none in a tuple the shapes below would miss
+    rows = 4 // 4  # per data shard: 3 prompts padded to 4 rows
     activation = f"{m.config.embed},{rows},1"
-    assert {(op, dims) for _, dims, op in found} <= {("all-reduce", activation), ("all-reduce", "")}
-    assert sum(1 for _, dims, op in found if dims) == 2 * m.config.num_layers
+    assert {dims for _, dims in shaped} <= {activation, ""}
+    assert sum(1 for _, dims in shaped if dims) == 2 * m.config.num_layers
+
+
+def test_bfloat16_decode_with_one_row_per_device(folder, monkeypatch):
+    """With one row per data shard each device's products are matrix-vector ones, which XLA:CPU
+    widens to float32; `layers.project` pads them, so no float32 copy of a weight shard (hoisted
+    out of the loop) appears."""
+    from tests.test_engine import _top_level_ops
+
+    m = rkvjax.load(folder, dtype="bfloat16", mesh=sub_mesh(4, 2))
+    shards = {
+        s.data.size for x in jax.tree.leaves(m.decoder) if x.ndim >= 2 for s in x.addressable_shards
+    }
+    hlo = _compiled_decode(m, monkeypatch)
+    widened = [
+        (op, n) for op, n, t in _top_level_ops(hlo, dtype=True) if n in shards and t == "f32"
+    ]
+    assert not widened
 
 
 def test_divisibility_errors(single, folder):
