@@ -71,8 +71,8 @@ def test_cached_decode_equals_full_forward(model):
     assert np.asarray(c.pos).tolist() == [5 + 20, 12 + 20]
 
 
-def _top_level_ops(hlo: str, *, dtype: bool = False) -> list[tuple]:
-    """(opcode, element count[, element type]) of every instruction outside fusion bodies in
+def _top_level_ops(hlo: str) -> list[tuple[str, int, str]]:
+    """(opcode, element count, element type) of every instruction outside fusion bodies in
     optimized HLO."""
     fused = set(re.findall(r"calls=(%[\w.-]+)", hlo))
     ops, inside_fusion = [], False
@@ -83,8 +83,7 @@ def _top_level_ops(hlo: str, *, dtype: bool = False) -> list[tuple]:
         m = re.match(r"\s+(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(", line)
         if m and not inside_fusion:
             dims = [int(d) for d in m.group(2).split(",") if d]
-            op = (m.group(3), int(np.prod(dims)))
-            ops.append((*op, m.group(1)) if dtype else op)
+            ops.append((m.group(3), int(np.prod(dims)), m.group(1)))
     return ops
 
 
@@ -113,7 +112,7 @@ def test_decode_step_writes_the_cache_in_place(model, batch):
     capacity = 37  # a size no weight shares
     hlo = _compiled_decode(model.decoder, batch, capacity)
     layer_cache = batch * cfg.kv_heads * capacity * cfg.head_dim
-    full_size = [op for op, n in _top_level_ops(hlo) if n == layer_cache]
+    full_size = [op for op, n, _ in _top_level_ops(hlo) if n == layer_cache]
     writes = [op for op in full_size if op not in ("get-tuple-element", "bitcast", "parameter")]
     assert len(writes) == 2 * cfg.num_layers, sorted(writes)
 
@@ -127,7 +126,7 @@ def test_bfloat16_decode_reads_bfloat16_weights(tiny_checkpoint, batch):
     decoder = rkvjax.load(tiny_checkpoint("llama3_rope")[0], dtype="bfloat16").decoder
     sizes = {x.size for x in jax.tree.leaves(decoder) if x.ndim >= 2}
     hlo = _compiled_decode(decoder, batch, capacity=37)
-    widened = [(op, n) for op, n, t in _top_level_ops(hlo, dtype=True) if n in sizes and t == "f32"]
+    widened = [(op, n) for op, n, t in _top_level_ops(hlo) if n in sizes and t == "f32"]
     assert not widened
 
 

@@ -145,7 +145,7 @@ def test_compression_compiles_without_collectives():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _compiled_decode(model, monkeypatch) -> str:
+def _compiled_decode_on_mesh(model, monkeypatch) -> str:
     """Optimized HLO of the decode chunk `generate` runs for PROMPTS on `model`'s mesh."""
     seen = []
     real = engine.decode
@@ -169,7 +169,7 @@ def test_decode_step_gathers_nothing(load_sharded, monkeypatch):
     of the attention and MLP outputs ([D, B, 1] each) and scalar flags. The cache append once
     all-gathered every layer's new keys, values and scatter indices on every step."""
     m = load_sharded(4, 2)
-    hlo = _compiled_decode(m, monkeypatch)
+    hlo = _compiled_decode_on_mesh(m, monkeypatch)
     ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
     assert set(ops) == {"all-reduce"}, sorted(set(ops))
     shaped = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-reduce(?:-start)?\(", hlo)
@@ -190,10 +190,8 @@ def test_bfloat16_decode_with_one_row_per_device(folder, monkeypatch):
     shards = {
         s.data.size for x in jax.tree.leaves(m.decoder) if x.ndim >= 2 for s in x.addressable_shards
     }
-    hlo = _compiled_decode(m, monkeypatch)
-    widened = [
-        (op, n) for op, n, t in _top_level_ops(hlo, dtype=True) if n in shards and t == "f32"
-    ]
+    hlo = _compiled_decode_on_mesh(m, monkeypatch)
+    widened = [(op, n) for op, n, t in _top_level_ops(hlo) if n in shards and t == "f32"]
     assert not widened
 
 
