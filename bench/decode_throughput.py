@@ -168,6 +168,34 @@ def rkvjax_runner(model, batch_ids):
     return run
 
 
+@jax.jit
+def _weights_only_loop(decoder, tok: jax.Array, n: jax.Array) -> jax.Array:
+    """tok [B, 1] -> [B, 1]: n greedy steps of `decoder` with attention replaced by its queries."""
+
+    def attend(i, q, k, v, state):
+        return q, state  # [B, 1, N, H]: no cache, no scores
+
+    def step(i, tok):
+        x, _ = decoder.hidden(tok, jnp.full_like(tok, i), attend, ())
+        return jnp.argmax(decoder.head(x), axis=-1).astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, n, step, tok)
+
+
+def weights_only_runner(model, batch_ids):
+    """n -> (token ids per row, None): the same decoder's weight products, norms, RoPE and LM head
+    with no attention and no cache, as one compiled loop of n steps. Its speed is what XLA makes
+    of the weights alone, so the gap to it is what attention and the cache cost, and its ratio
+    to transformers bounds what any cache design could reach."""
+    tok = jnp.asarray([ids[-1:] for ids in batch_ids], jnp.int32)  # [B, 1]
+
+    def run(n):
+        out = _weights_only_loop(model.decoder, tok, jnp.int32(n))
+        return out.tolist(), None  # .tolist() waits for the device
+
+    return run
+
+
 def torch_device() -> str:
     """transformers runs where rkvjax runs: on the GPU when JAX has one, else on the CPU."""
     import torch
@@ -285,7 +313,11 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
     ids = prompt_ids(model, args.prompt_len)
     batch_ids = [list(ids) for _ in range(batch)]
     n = args.new_tokens
-    runners, repeats = {"rkvjax": rkvjax_runner(model, batch_ids)}, {"rkvjax": args.repeats}
+    runners = {
+        "rkvjax": rkvjax_runner(model, batch_ids),
+        "weights_only": weights_only_runner(model, batch_ids),
+    }
+    repeats = {"rkvjax": args.repeats, "weights_only": args.repeats}
     if hf is not None:
         # transformers in bfloat16 on CPU can be very slow: time it fewer times.
         hf_reps = args.repeats if dtype == "float32" else min(args.repeats, args.hf_bf16_repeats)
@@ -302,6 +334,7 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
     step_bytes = w_bytes + kv_bytes
     roofline = bw["gbs"] * 1e9 / step_bytes
     rk_steps = _steps_per_s(rk, n)
+    wo_steps = _steps_per_s(t["weights_only"], n)
     row = {
         "bench": "decode_throughput",
         "model": name,
@@ -321,6 +354,9 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
         "rkvjax_compile_s": rk["compile_s"],
         "rkvjax_xla_compile_s": rk["xla_compile_s"],
         "recompile_s_while_timing": rk["recompile_s_while_timing"],
+        "weights_only_steps_per_s": wo_steps,
+        "weights_only_fraction": rk_steps / wo_steps,
+        "weights_only_vs_hf": None,
         "hf_steps_per_s": None,
         "hf_tokens_per_s": None,
         "hf_ttft_s": None,
@@ -366,6 +402,7 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
             hf_threads=best,
             hf_by_threads={str(th): v for th, v in by_threads.items()},
             speedup_vs_hf=rk_steps / hf_steps,
+            weights_only_vs_hf=wo_steps / hf_steps,
             speedup_vs_hf_all_cores=all_cores and rk_steps / all_cores["steps_per_s"],
             greedy_agreement_vs_hf=_agreement(rk["tokens"], t[f"hf{best}"]["tokens"]),
         )
@@ -393,7 +430,7 @@ def _table(rows: list[dict]) -> str:
 
     head = (
         f"{'batch':>5} {'dtype':>8} {'rkv tok/s':>9} {'steps/s':>7} {'hf tok/s':>8} "
-        f"{'hf thr':>6} {'ratio':>5} "
+        f"{'hf thr':>6} {'ratio':>5} {'w-only':>6} {'w/hf':>5} "
         f"{'ttft rkv':>8} {'ttft hf':>7} {'MB/step':>7} {'roof st/s':>9} {'roof %':>6} "
         f"{'xla cmp':>7} {'load':>4}"
     )
@@ -403,7 +440,8 @@ def _table(rows: list[dict]) -> str:
             f"{r['batch']:>5} {r['dtype']:>8} {r['rkvjax_tokens_per_s']:>9.1f} "
             f"{r['rkvjax_steps_per_s']:>7.1f} {f(r['hf_tokens_per_s'], '8.1f'):>8} "
             f"{f(r['hf_threads'], 'd'):>6} "
-            f"{f(r['speedup_vs_hf'], '5.2f'):>5} {r['rkvjax_ttft_s'] * 1e3:>6.0f}ms "
+            f"{f(r['speedup_vs_hf'], '5.2f'):>5} {r['weights_only_steps_per_s']:>6.1f} "
+            f"{f(r['weights_only_vs_hf'], '5.2f'):>5} {r['rkvjax_ttft_s'] * 1e3:>6.0f}ms "
             f"{f(r['hf_ttft_s'] and r['hf_ttft_s'] * 1e3, '5.0f'):>5}ms "
             f"{r['bytes_per_step'] / 1e6:>7.0f} {r['roofline_steps_per_s']:>9.1f} "
             f"{r['roofline_fraction'] * 100:>5.0f}% {r['rkvjax_xla_compile_s']:>6.1f}s "
@@ -450,7 +488,9 @@ def main(argv=None) -> None:
         f"\nbandwidth {bw['gbs']:.1f} GB/s (numpy {bw['numpy_gbs']:.1f}, numpy x{threads} "
         f"threads {bw['numpy_threads_gbs']:.1f}, jax {bw['jax_gbs']:.1f}); "
         f"new tokens {args.new_tokens}; steps/s = (N-1)/(t(N)-t(1)); "
-        "ratio = rkvjax / fastest transformers steps/s; hf thr = its torch threads",
+        "ratio = rkvjax / fastest transformers steps/s; hf thr = its torch threads; "
+        "w-only = steps/s of the same decoder without attention or cache (its weights alone), "
+        "w/hf = that over transformers",
         file=sys.stderr,
     )
     print(_table(rows), file=sys.stderr)

@@ -120,7 +120,7 @@ def _causal_attend(positions: jax.Array):
 def _cache_attend(i, q, k, v, cache: kv.KVCache, rules: sharding.ShardingRules | None = None):
     """attend() for decode: append this token to the cache, then attend over the cache."""
     cache = kv.write(cache, i, q, k, v, rules)
-    out = layers.attention(q, cache.k[i], cache.v[i], cache.attend_mask(i), kv_axis=2)
+    out = layers.attention(q, cache.keys(i), cache.values(i), cache.attend_mask(i), kv_axis=2)
     return out, cache
 
 

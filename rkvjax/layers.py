@@ -48,15 +48,33 @@ def project(spec: str, w: jax.Array, x: jax.Array, *, dtype=None) -> jax.Array:
     return out.astype(x.dtype if dtype is None else dtype)
 
 
+def as_storage(x: jax.Array) -> jax.Array:
+    """x as arrays that gathers and scatters move are stored: floats narrower than 32 bits as
+    unsigned integers of the same bits, anything else unchanged.
+
+    XLA:CPU moves bfloat16 elements by converting the whole operand to float32 and the result
+    back: for the KV cache, every layer's cache on every decode step. The integer view is itself
+    a copy under `jit` unless XLA fuses it into a consumer, so arrays moved every step are
+    stored this way, and float32 ones, which XLA moves as they are, are left alone.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))
+    return x
+
+
+def from_storage(x: jax.Array, dtype) -> jax.Array:
+    """The inverse of `as_storage` for values of `dtype`."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     """table [V, D], ids [...] (already checked to lie in [0, V)) -> rows [..., D].
 
-    The rows are gathered as same-width unsigned integers. A bfloat16 gather led XLA:CPU to widen
-    the whole table to float32 for the lookup, a copy that it hoisted out of the decode loop.
+    Gathered from `as_storage(table)`: a bfloat16 gather widened the whole table to float32.
+    For a bfloat16 table the view is a copy too, made once per compiled call (XLA hoists it out
+    of the decode loop), but at half the size.
     """
-    bits = jnp.dtype(f"uint{table.dtype.itemsize * 8}")
-    rows = jnp.take(jax.lax.bitcast_convert_type(table, bits), ids, axis=0, mode="clip")
-    return jax.lax.bitcast_convert_type(rows, table.dtype)
+    return from_storage(jnp.take(as_storage(table), ids, axis=0, mode="clip"), table.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, axis: int = -1) -> jax.Array:

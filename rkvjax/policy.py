@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from rkvjax import cache as kv
-from rkvjax import compression, sharding
+from rkvjax import compression, layers, sharding
 from rkvjax.config import CompressionConfig
 
 
@@ -72,7 +72,9 @@ def prefill_cache(
     squeeze = cc.compressing and p > cc.budget
     if squeeze:
         squeezed = sharding.local(
-            lambda q, k, v, sp: kv.gather_slots(k, v, sp, _select(cc, q, k, sp, cc.budget)),
+            lambda q, k, v, sp: kv.gather_slots(
+                layers.as_storage(k), layers.as_storage(v), sp, _select(cc, q, k, sp, cc.budget)
+            ),
             rules,
             (kv.QWIN_AXES, kv.KV_AXES, kv.KV_AXES, kv.SLOT_AXES),
             (kv.KV_AXES, kv.KV_AXES, kv.SLOT_AXES),
@@ -85,7 +87,7 @@ def prefill_cache(
         if squeeze:
             gk, gv, gsp = squeezed(q_win[i], k, v, sp)
         else:
-            gk, gv, gsp = kv.gather_slots(k, v, sp, order)
+            gk, gv, gsp = kv.gather_slots(layers.as_storage(k), layers.as_storage(v), sp, order)
         k_out.append(kv.pad_slots(gk, capacity))
         v_out.append(kv.pad_slots(gv, capacity))
         sp_out.append(kv.pad_slots(gsp, capacity, -1))
@@ -97,6 +99,7 @@ def prefill_cache(
         q_win=q_win,
         length=kept,
         pos=lengths,
+        dtype=ks[0].dtype,
     )
     return cache, kept < lengths
 
@@ -158,7 +161,8 @@ def _compress_rows(
             rk, rv, rsp = k, v, sp
             if roll is not None:
                 rk, rv, rsp = kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
-            idx = _select(cc, q, rk, rsp, budget)  # [B, K, budget]
+            keys = layers.from_storage(rk, cache.dtype)
+            idx = _select(cc, q, keys, rsp, budget)  # [B, K, budget]
             gk, gv, gsp = kv.gather_slots(rk, rv, rsp, idx)
             on = rows[:, None, None]  # [B, 1, 1]
             ks.append(jnp.where(on[..., None], kv.pad_slots(gk, c), k))

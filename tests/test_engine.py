@@ -35,8 +35,11 @@ def _decode_logits(decoder, c: kv.KVCache, token):
     return decoder.head(x)[:, 0], kv.advance(c)
 
 
-def test_cached_decode_equals_full_forward(model):
-    """Left-padded prefill + step-by-step cached decode gives the logits of one full forward."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cached_decode_equals_full_forward(tiny_checkpoint, dtype):
+    """Left-padded prefill + step-by-step cached decode gives the logits of one full forward.
+    In bfloat16 the cache is stored as integers (`layers.as_storage`)."""
+    model = rkvjax.load(tiny_checkpoint("llama3_rope")[0], dtype=dtype)
     rows = _prompts([5, 12])
     follow = np.random.RandomState(3).randint(0, VOCAB, (2, 20))
     p = 16
@@ -65,7 +68,7 @@ def test_cached_decode_equals_full_forward(model):
         step_logits, c = _decode_logits(model.decoder, c, jnp.asarray(follow[:, t]))
         for r, row in enumerate(rows):
             want = full[r][len(row) + t]  # the full forward's prediction after follow[r, t]
-            np.testing.assert_allclose(step_logits[r], want, atol=SELF_ATOL[jnp.float32])
+            np.testing.assert_allclose(step_logits[r], want, atol=SELF_ATOL[dtype])
     # Prefill moves each row's tokens to the front of its slots: fill levels differ per row.
     assert np.asarray(c.length).tolist() == [5 + 20, 12 + 20]
     assert np.asarray(c.pos).tolist() == [5 + 20, 12 + 20]
@@ -104,17 +107,27 @@ def _compiled_decode(decoder, batch: int, capacity: int) -> str:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own fusion decisions")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decode_step_writes_the_cache_in_place(model, batch):
-    """Per layer, the only full-size results in the compiled decode step are the K and V
-    appends: no copy or transpose of a layer's cache, which costs as much as reading it."""
-    cfg = model.decoder.cfg
+def test_decode_step_writes_the_cache_in_place(tiny_checkpoint, batch, dtype):
+    """Per layer, the full-size results in the compiled decode step are the K and V appends,
+    in place: no copy, transpose or conversion of a layer's cache, which costs as much as
+    reading it. A bfloat16 cache is stored as uint16, and attention's products read one
+    same-width bfloat16 view each of K and V (XLA:CPU's bitcast-convert is a copy). Before,
+    XLA converted every bfloat16 cache to float32 and back around each append."""
+    decoder = rkvjax.load(tiny_checkpoint("llama3_rope")[0], dtype=dtype).decoder
+    cfg = decoder.cfg
     capacity = 37  # a size no weight shares
-    hlo = _compiled_decode(model.decoder, batch, capacity)
+    hlo = _compiled_decode(decoder, batch, capacity)
     layer_cache = batch * cfg.kv_heads * capacity * cfg.head_dim
-    full_size = [op for op, n, _ in _top_level_ops(hlo) if n == layer_cache]
-    writes = [op for op in full_size if op not in ("get-tuple-element", "bitcast", "parameter")]
-    assert len(writes) == 2 * cfg.num_layers, sorted(writes)
+    full_size = [(op, t) for op, n, t in _top_level_ops(hlo) if n == layer_cache]
+    results = [(op, t) for op, t in full_size if op not in ("get-tuple-element", "bitcast")]
+    types = sorted(t for op, t in results if op != "parameter")
+    n = 2 * cfg.num_layers
+    if dtype == "float32":
+        assert types == ["f32"] * n, sorted(results)
+    else:  # the appends (u16) and attention's views of them (bf16)
+        assert types == ["bf16"] * n + ["u16"] * n, sorted(results)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own dot lowering")
@@ -128,6 +141,21 @@ def test_bfloat16_decode_reads_bfloat16_weights(tiny_checkpoint, batch):
     hlo = _compiled_decode(decoder, batch, capacity=37)
     widened = [(op, n) for op, n, t in _top_level_ops(hlo) if n in sizes and t == "f32"]
     assert not widened
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own lowering")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_copies_no_weight(tiny_checkpoint, dtype):
+    """The compiled decode reads every weight where it lies. The one copy is the bfloat16
+    embedding's uint16 view that the lookup gathers from (`layers.embed_lookup`); float32
+    decode used to copy its table too (113 MB for the default model, on every call)."""
+    decoder = rkvjax.load(tiny_checkpoint("llama3_rope")[0], dtype=dtype).decoder
+    sizes = {x.size for x in jax.tree.leaves(decoder) if x.ndim >= 2}
+    hlo = _compiled_decode(decoder, 1, capacity=37)
+    moved = ("parameter", "get-tuple-element", "bitcast", "tuple")
+    copies = [(op, n, t) for op, n, t in _top_level_ops(hlo) if n in sizes and op not in moved]
+    table = decoder.embed[...].size
+    assert copies == ([] if dtype == "float32" else [("fusion", table, "u16")])
 
 
 def test_ragged_batch_equals_one_by_one(model):

@@ -18,8 +18,11 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import api, engine
+from rkvjax import api, engine, policy
+from rkvjax import cache as kv
 from rkvjax import compression as C
+from rkvjax.config import CompressionConfig
+from rkvjax.layers import as_storage
 from rkvjax.sampling import SamplingConfig
 from tests.hf_tiny import VOCAB
 from tests.reference import rkv_numpy as ref
@@ -592,3 +595,35 @@ def test_bfloat16_compressing_run(tiny_checkpoint):
     k = jax.ShapeDtypeStruct((1, 2, 24, 16), jnp.bfloat16)
     valid = jax.ShapeDtypeStruct((1, 2, 24), jnp.bool_)
     assert jax.eval_shape(C.rkv_scores, q, k, valid).dtype == jnp.float32
+
+
+def test_bfloat16_compaction_moves_entries_exactly():
+    """A bfloat16 cache (stored as uint16) comes out of a compression with every kept key and
+    value bit-identical to the slot it came from; rows not compressed are untouched."""
+    rs = np.random.RandomState(0)
+    b, k, c, h = 2, 2, 24, 16
+    keys = jnp.asarray(rs.normal(size=(b, k, c, h)), jnp.bfloat16)  # [B, K, C, H]
+    vals = jnp.asarray(rs.normal(size=(b, k, c, h)), jnp.bfloat16)
+    cache = kv.KVCache(
+        k=(as_storage(keys),),
+        v=(as_storage(vals),),
+        slot_pos=(jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, k, c)),),
+        q_win=(jnp.asarray(rs.normal(size=(b, 4, W, h)), jnp.bfloat16),),
+        length=jnp.full((b,), c, jnp.int32),
+        pos=jnp.full((b,), c, jnp.int32),
+        dtype=jnp.bfloat16,
+    )
+    cc = CompressionConfig(method="rkv", budget=BUDGET, buffer=BUFFER, window=W)
+    out = jax.jit(lambda x: policy._compress_rows(x, jnp.array([True, False]), cc))(cache)
+    assert out.k[0].dtype == jnp.uint16 and out.keys(0).dtype == jnp.bfloat16
+    pos = np.asarray(out.slot_pos[0])  # [B, K, C], -1 at empty slots
+    assert (pos[0] >= 0).sum(-1).tolist() == [BUDGET] * k
+    got_k, got_v = np.asarray(out.keys(0), np.float32), np.asarray(out.values(0), np.float32)
+    want_k, want_v = np.asarray(keys, np.float32), np.asarray(vals, np.float32)
+    for row in range(b):
+        for head in range(k):
+            kept = pos[row, head][pos[row, head] >= 0]  # slot_pos = original slot here
+            n = len(kept)
+            np.testing.assert_array_equal(got_k[row, head, :n], want_k[row, head, kept])
+            np.testing.assert_array_equal(got_v[row, head, :n], want_v[row, head, kept])
+    np.testing.assert_array_equal(got_k[1], want_k[1])

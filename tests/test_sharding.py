@@ -12,6 +12,7 @@ import rkvjax
 from rkvjax import cache as kv
 from rkvjax import cli, engine, policy, sharding
 from rkvjax.config import CompressionConfig
+from rkvjax.layers import as_storage
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
 
@@ -116,12 +117,13 @@ def _random_cache(rs, *, layers=1, b=4, k=2, n=4, c=24, h=16, w=8):
 
     sp = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, k, c))
     return kv.KVCache(
-        k=tuple(normal(b, k, c, h) for _ in range(layers)),
-        v=tuple(normal(b, k, c, h) for _ in range(layers)),
+        k=tuple(as_storage(normal(b, k, c, h)) for _ in range(layers)),
+        v=tuple(as_storage(normal(b, k, c, h)) for _ in range(layers)),
         slot_pos=tuple(sp + 0 for _ in range(layers)),
         q_win=tuple(normal(b, n, w, h) for _ in range(layers)),
         length=jnp.full((b,), c, jnp.int32),
         pos=jnp.full((b,), c, jnp.int32),
+        dtype=jnp.float32,
     )
 
 
