@@ -39,6 +39,10 @@ class KVCache:
     pos: jax.Array  # [B] int32: logical (RoPE) position of the next token
     dtype: Any = dataclasses.field(metadata={"static": True})  # of the keys and values
 
+    def __post_init__(self):
+        # One spelling per dtype (jnp.bfloat16 and its np.dtype), so jit caches hit.
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
     @property
     def capacity(self) -> int:  # C, static
         return self.k[0].shape[2]

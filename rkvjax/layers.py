@@ -49,8 +49,8 @@ def project(spec: str, w: jax.Array, x: jax.Array, *, dtype=None) -> jax.Array:
 
 
 def as_storage(x: jax.Array) -> jax.Array:
-    """x as arrays that gathers and scatters move are stored: floats narrower than 32 bits as
-    unsigned integers of the same bits, anything else unchanged.
+    """x in the form kept for arrays that are gathered or scattered every step: floats narrower
+    than 32 bits as unsigned integers of the same bits, anything else unchanged.
 
     XLA:CPU moves bfloat16 elements by converting the whole operand to float32 and the result
     back: for the KV cache, every layer's cache on every decode step. The integer view is itself
