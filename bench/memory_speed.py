@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import platform
@@ -21,8 +20,9 @@ import numpy as np
 import random_checkpoint  # bench/, beside this script
 
 import rkvjax
-from rkvjax import api, engine, policy, xla_flags
-from rkvjax.sampling import SamplingConfig
+from rkvjax import engine, policy, requests, xla_flags
+from rkvjax.config import compression_config
+from rkvjax.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATA = Path(os.environ.get("RKVJAX_DATA", "/work/shared/data")) / "math500.jsonl"
@@ -113,7 +113,7 @@ def kv_bytes(cfg, batch: int, capacity: int, itemsize: int) -> int:
 
 
 def _compression(method: str, args, prompt_len: int, max_new: int):
-    return api.compression_config(
+    return compression_config(
         method,
         None if method == "full" else args.budget,
         prompt_len=prompt_len,
@@ -127,15 +127,23 @@ def _copy(state):
     return jax.tree.map(jnp.copy, state)
 
 
-def _decode_all(model, state, plan) -> engine.DecodeState:
-    """The decode loop of `rkvjax.generate`: chunks of decode steps, the host checking progress
-    between chunks (no stop strings here)."""
-    step = 1
-    while step < plan.max_new:
-        state = engine.decode(model.decoder, state, steps=api._CHUNK, plan=plan)
-        step = int(jax.device_get(state.step))
-    jax.block_until_ready(state.tokens)
-    return state
+def _engine(model, method, args, ids, n_new) -> rkvjax.Engine:
+    """A runtime with one slot per prompt, every prompt submitted (greedy, n_new tokens)."""
+    cc = _compression(method, args, max(map(len, ids)), n_new)
+    max_len = requests.bucket(max(map(len, ids)), model.config.max_positions) + n_new - 1
+    eng = rkvjax.Engine(model, slots=len(ids), cache=cc, max_len=max_len)
+    greedy = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+    eng.submit_many(ids, [greedy] * len(ids))
+    return eng
+
+
+def _decode_all(eng: rkvjax.Engine, state) -> tuple[engine.SlotState, engine.Tokens]:
+    """The decode loop of the runtime, chunk after chunk until every row is done (no stop
+    strings, no admissions); returns the state and the last chunk's output."""
+    while True:
+        state, out = engine.decode(eng.model.decoder, state, steps=eng.chunk, plan=eng.plan)
+        if not bool(jax.device_get(out.active).any()):
+            return state, out
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -147,19 +155,19 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _compression_ms(state, plan, repeats: int = 5) -> float | None:
-    """One compression of every row of the cache (all layers): the step the decode loop runs
-    under `lax.cond` every `buffer` tokens. Its cost does not depend on how full the cache is
-    (scoring covers every slot under a mask)."""
-    cc = plan.compression
+def _compression_ms(eng: rkvjax.Engine, state, repeats: int = 5) -> float | None:
+    """One row's compression (all layers), as a decode step runs it in one of its lanes under
+    `lax.cond` when the row is full. Its cost does not depend on how full the cache is (scoring
+    covers every slot under a mask)."""
+    cc = eng.compression
     if not cc.compressing:
         return None
-    fn = jax.jit(policy._compress_rows, static_argnums=2)
-    rows = jnp.ones(state.cache.length.shape, bool)
-    jax.block_until_ready(fn(state.cache, rows, cc))  # compile
+    fn = jax.jit(lambda c, f: policy.compress_lanes(c, f, cc, lanes=1, start=jnp.int32(0)))
+    full = jnp.ones(state.cache.length.shape, bool)
+    jax.block_until_ready(fn(state.cache, full))  # compile
 
     def run():
-        jax.block_until_ready(fn(state.cache, rows, cc))
+        jax.block_until_ready(fn(state.cache, full))
 
     return _median_s(run, repeats) * 1e3
 
@@ -183,21 +191,10 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
         ids = [text[97 * r : 97 * r + p_len] for r in range(b)]
         runs = {}
         for method in args.methods:
-            cc = _compression(method, args, p_len, n_new)
-            plan, tokens, positions = api._plan(
-                model, ids, cc, n_new, sampling=SamplingConfig(), stop_ids=()
-            )
+            eng = _engine(model, method, args, ids, n_new)
             c0, t0 = engine.compile_seconds(), time.perf_counter()
             try:
-                state = engine.prefill(
-                    model.decoder,
-                    jnp.asarray(tokens),
-                    jnp.asarray(positions),
-                    jnp.zeros((b, n_new), jnp.int32),
-                    jax.random.key(0),
-                    plan=plan,
-                )
-                jax.block_until_ready(state.tokens)
+                state = eng.prefilled()
                 prefill_comps = int(jax.device_get(state.compressions).max())
             except Exception as e:  # an out-of-memory prefill is a result, not a crash
                 print(f"context {ctx} {method}: prefill failed: {e!r}"[:500], file=sys.stderr)
@@ -205,16 +202,16 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 rows.append({"bench": "memory_speed", "part": "speed", **err, **meta})
                 continue
             c1, t1 = engine.compile_seconds(), time.perf_counter()
-            _decode_all(model, _copy(state), plan)  # warm-up: compiles the decode chunk
+            _decode_all(eng, _copy(state))  # warm-up: compiles the decode chunk
             c2, t2 = engine.compile_seconds(), time.perf_counter()
             runs[method] = {
-                "plan": plan,
+                "engine": eng,
                 "state": state,
                 "prefill_s": (t1 - t0) - (c1 - c0),
                 "compile_s": (c1 - c0) + (c2 - c1),
                 "warmup_decode_s": (t2 - t1) - (c2 - c1),
                 "times": [],
-                "comp_ms": _compression_ms(state, plan),
+                "comp_ms": _compression_ms(eng, state),
                 "prefill_comps": prefill_comps,
             }
         for i in range(args.repeats):
@@ -223,13 +220,13 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 r = runs[m]
                 s = _copy(r["state"])
                 t0 = time.perf_counter()
-                s = _decode_all(model, s, r["plan"])
+                s, out = _decode_all(r["engine"], s)
                 r["times"].append(time.perf_counter() - t0)
-                r["compressions"] = int(jax.device_get(s.compressions).max())
-                r["peak"] = int(jax.device_get(s.peak).max())
+                r["compressions"] = int(jax.device_get(out.compressions).max())
+                r["peak"] = int(jax.device_get(out.peak).max())
                 del s
         for method, r in runs.items():
-            plan, dec = r["plan"], statistics.median(r["times"])
+            eng, dec = r["engine"], statistics.median(r["times"])
             # Methods run in the same rounds, so per-round time ratios cancel slow drifts in the
             # load of a shared machine better than ratios of medians.
             paired = {
@@ -249,11 +246,11 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 "new_tokens": n_new,
                 "batch": b,
                 "method": method,
-                "budget": plan.compression.budget if plan.compression.compressing else None,
+                "budget": eng.compression.budget if eng.compression.compressing else None,
                 "buffer": args.buffer,
-                "cache_capacity": plan.capacity,
+                "cache_capacity": eng.capacity,
                 "peak_cache_slots": r["peak"],
-                "cache_kv_bytes": kv_bytes(cfg, b, plan.capacity, itemsize),
+                "cache_kv_bytes": kv_bytes(cfg, b, eng.capacity, itemsize),
                 "cache_state_bytes": tree_bytes(r["state"].cache),  # + q window, counters
                 "decode_s": dec,
                 "decode_s_runs": r["times"],
@@ -282,39 +279,15 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def compiled_memory(model, plan, batch: int, prompt: int, parts=("decode",)) -> dict:
-    """Compile-only memory of a decode chunk (and optionally the prefill) at `batch` rows.
-
-    Peak = arguments (weights + state) + outputs not aliased to a donated argument + XLA's
-    temporaries, as `Compiled.memory_analysis()` reports them. Nothing runs: the state is
-    abstract (`jax.eval_shape` of the prefill).
-    """
-    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
-    given = jax.ShapeDtypeStruct((batch, plan.max_new), jnp.int32)
-    key = jax.random.key(0)
-    pre = functools.partial(engine.prefill, plan=plan)
-    state = jax.eval_shape(pre, model.decoder, tokens, tokens, given, key)
-    out = {"state_bytes": tree_bytes(state), "cache_bytes": tree_bytes(state.cache)}
-    for name in parts:
-        if name == "prefill":
-            lowered = engine.prefill.lower(model.decoder, tokens, tokens, given, key, plan=plan)
-        elif name == "compress":  # the compression step alone, to attribute the temporaries
-            rows = jax.ShapeDtypeStruct((batch,), jnp.bool_)
-            fn = jax.jit(policy._compress_rows, static_argnums=2)
-            lowered = fn.lower(state.cache, rows, plan.compression)
-        else:
-            lowered = engine.decode.lower(model.decoder, state, steps=api._CHUNK, plan=plan)
-        ma = lowered.compile().memory_analysis()
-        args_b, out_b = ma.argument_size_in_bytes, ma.output_size_in_bytes
-        alias_b, temp_b = ma.alias_size_in_bytes, ma.temp_size_in_bytes
-        out[name] = {
-            "argument_bytes": args_b,
-            "output_bytes": out_b,
-            "alias_bytes": alias_b,
-            "temp_bytes": temp_b,
-            "peak_bytes": args_b + out_b - alias_b + temp_b,
-        }
+def compiled_memory(model, cc, capacity: int, batch: int, prompt: int, parts=("decode",)):
+    """Compile-only memory of a runtime of `batch` slots: its decode chunk (and optionally the
+    prefill of its prompts, or one compression step). Nothing runs: the state is abstract."""
+    eng = rkvjax.Engine(model, slots=batch, cache=cc, max_len=capacity)
+    out = eng.memory_analysis(prompt_len=prompt, parts=parts)
     out["peak_bytes"] = max(out[n]["peak_bytes"] for n in parts if n != "compress")
+    # Every program compiled for another batch stays cached, and each holds hundreds of memory
+    # mappings for its code: the search would reach the kernel's limit (65530) and fail.
+    jax.clear_caches()
     return out
 
 
@@ -361,36 +334,30 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
     cap = int(args.mem_cap_gb * 2**30)
     cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
     w_bytes = weight_bytes(model)
-    prompt = api._bucket(args.gen_prompt, args.gen_prompt)
+    prompt = requests.bucket(args.gen_prompt, args.gen_prompt)
     b1, b2 = sorted(args.fit_batches)
     rows = []
     for method in args.methods:
         cc = _compression(method, args, prompt, args.gen_tokens)
-        # DecodePlan directly, not api._plan: a 16K generation exceeds SmolLM2's 8192 positions,
-        # which api._plan rejects, but shapes and memory do not depend on that limit.
+        # An Engine directly, not generate(): a 16K generation exceeds SmolLM2's 8192 positions,
+        # which submitting a request checks, but shapes and memory do not depend on that limit.
         capacity = cc.capacity if cc.compressing else prompt + args.gen_tokens - 1
-        plan = engine.DecodePlan(
-            compression=cc,
-            capacity=capacity,
-            max_new=args.gen_tokens,
-            sampling=SamplingConfig(),
-            stop_ids=(),
-        )
         t0 = time.perf_counter()
-        m1 = compiled_memory(model, plan, b1, prompt)
-        m2 = compiled_memory(
-            model, plan, b2, prompt, ("decode", "compress") if cc.compressing else ("decode",)
-        )
+        parts = ("decode", "compress") if cc.compressing else ("decode",)
+        m1 = compiled_memory(model, cc, capacity, b1, prompt)
+        m2 = compiled_memory(model, cc, capacity, b2, prompt, parts)
         per_row = (m2["peak_bytes"] - m1["peak_bytes"]) / (b2 - b1)
         fixed = m1["peak_bytes"] - per_row * b1
         guess = max(0, int((cap - fixed) // per_row)) if per_row > 0 else 0
         state_only = int((cap - w_bytes) // (m2["state_bytes"] / b2))
         best, peaks = _largest_fitting(
-            lambda b, plan=plan: compiled_memory(model, plan, b, prompt, ("prefill", "decode")),
+            lambda b, cc=cc, c=capacity: compiled_memory(
+                model, cc, c, b, prompt, ("prefill", "decode")
+            ),
             cap,
             guess,
             state_only,
-            search=not args.tiny,  # the smoke run checks the guess only
+            search=True,
         )
         checked, above = peaks.get(best), peaks.get(best + 1)
         row = {

@@ -5,7 +5,8 @@
     DST/
       rkvjax_checkpoint.json   format, version, weight dtype, source
       config.json              the source's model config (read through the same allow-list)
-      tokenizer.json, tokenizer_config.json, generation_config.json   as in the source
+      tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
+      chat_templates/, generation_config.json   as in the source, when it has them
       weights/                 Orbax (tensorstore) checkpoint, one array per parameter
 
 The weights are stored already converted: in the decoder's own layout ([out, in] projections
@@ -48,13 +49,17 @@ from rkvjax.models.decoder import Decoder, abstract_decoder
 
 from rkvjax import sharding
 from rkvjax.config import ModelConfig
+from rkvjax.tokenizer import CHAT_TEMPLATE_DIR, TOKENIZER_FILES
 
 FORMAT = "rkvjax-orbax"
 FORMAT_VERSION = 4  # 2: weights [out, in]; 3: a zarr3 folder per array, no OCDBT; 4: fused wqkv
 MARKER = "rkvjax_checkpoint.json"
 WEIGHTS = "weights"
-# Files copied from the source folder; config.json is required, the rest when present.
-_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# Copied from the source folder when present (config.json always is): everything the tokenizer
+# reads, so a converted model renders chats and stops exactly as its source, and the legacy
+# processor template file, which transformers still reads for multimodal models.
+_SIDE_FILES = (*TOKENIZER_FILES, "chat_template.json")
+_SIDE_DIRS = (CHAT_TEMPLATE_DIR,)
 
 
 class CheckpointError(ValueError):
@@ -105,11 +110,9 @@ def save(
     calls this (Orbax writes each process's shards); process 0 writes the side files.
 
     Raises:
-      FileExistsError: if `out` exists and `overwrite` is False.
+      FileExistsError, CheckpointError: see `check_output`.
     """
-    out = Path(out).expanduser().resolve()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    out = check_output(out, [source_folder], overwrite=overwrite)
     import orbax.checkpoint as ocp
 
     tmp = out.with_name(f".{out.name}.partial")
@@ -121,9 +124,7 @@ def save(
     with _checkpointer() as ckpt, _quiet_ocdbt_merge():
         ckpt.save(tmp / WEIGHTS, args=ocp.args.PyTreeSave(params))
     if primary:
-        for name in _SIDE_FILES:
-            if (source_folder / name).is_file():
-                shutil.copy2(source_folder / name, tmp / name)
+        _copy_side_files(Path(source_folder), tmp)
         dtype = jnp.dtype(next(iter(params.values())).dtype).name
         meta = {"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype, "source": source}
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -131,6 +132,48 @@ def save(
             shutil.rmtree(out)
         tmp.rename(out)
     _sync("rkvjax-convert-done")
+    return out
+
+
+def _copy_side_files(source_folder: Path, dst: Path) -> None:
+    """Copies the source's config, tokenizer and chat-template files that exist into `dst`."""
+    for name in _SIDE_FILES:
+        if (source_folder / name).is_file():
+            shutil.copy2(source_folder / name, dst / name)
+    for name in _SIDE_DIRS:
+        if (source_folder / name).is_dir():
+            shutil.copytree(source_folder / name, dst / name)
+
+
+def check_output(out, sources, *, overwrite: bool) -> Path:
+    """`out` made absolute, once it is sure that writing it deletes nothing but an earlier
+    conversion: `--overwrite` replaces only a converted checkpoint (it has MARKER) or an empty
+    folder, never a folder it did not write, and never one holding the source.
+
+    Raises:
+      CheckpointError: if `out` is, contains or lies inside one of `sources`.
+      FileExistsError: if `out` exists and `overwrite` is False, or is something else than a
+        converted checkpoint or an empty folder.
+    """
+    out = Path(out).expanduser().resolve()
+    for src in sources:
+        src = Path(src).expanduser().resolve()
+        if src.is_relative_to(out):
+            what = "is the source" if src == out else f"contains the source {src}"
+            raise CheckpointError(f"output {out} {what}; choose another output folder")
+        if out.is_relative_to(src):
+            raise CheckpointError(
+                f"output {out} lies inside the source {src}; choose a folder outside it"
+            )
+    if not out.exists():
+        return out
+    if not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    if not (out.is_dir() and (is_converted(out) or not any(out.iterdir()))):
+        raise FileExistsError(
+            f"{out} exists and is not a folder written by `rkvjax convert` (no {MARKER}); "
+            "--overwrite replaces only those and empty folders: choose another output folder"
+        )
     return out
 
 
@@ -435,10 +478,33 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def convert(src, out: Path, *, dtype=None, mesh=None, overwrite: bool = False) -> Path:
-    """`rkvjax convert`: loads `src` (anything `rkvjax.load` takes) and saves it to `out`."""
+def _source_paths(src) -> list[Path]:
+    """The files and folders `rkvjax.load(src)` reads or prepares, found without loading or
+    converting anything."""
+    from rkvjax.convert import default_model
+
     from rkvjax import api
 
+    if src is None or str(src) == api.DEFAULT_MODEL:
+        paths = [default_model.default_cache_dir()]
+        with contextlib.suppress(ImportError, OSError):  # the load reports a missing package
+            paths.append(default_model.default_gguf_path())
+        return paths
+    path = Path(src).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return [path, default_model.gguf_cache_dir(path)]
+    return [path]
+
+
+def convert(src, out: Path, *, dtype=None, mesh=None, overwrite: bool = False) -> Path:
+    """`rkvjax convert`: loads `src` (anything `rkvjax.load` takes) and saves it to `out`.
+
+    `out` is checked (`check_output`) before the model is loaded, so a refused output costs no
+    load and the source is never touched.
+    """
+    from rkvjax import api
+
+    out = check_output(out, _source_paths(src), overwrite=overwrite)
     model = api.load(src, dtype=dtype, mesh=mesh)
     if is_converted(model.path):
         source = read_marker(model.path).get("source", str(model.path))

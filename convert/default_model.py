@@ -66,7 +66,7 @@ def default_model_dir() -> Path:
     Returns:
         A Hugging Face style folder (config.json, model.safetensors, tokenizer files).
     """
-    out = rkvjax_home() / "models" / DEFAULT_MODEL
+    out = default_cache_dir()
     try:
         source = default_gguf_path()
     except (ImportError, OSError):
@@ -83,9 +83,19 @@ def prepared_gguf_dir(gguf_path: str | Path) -> Path:
     files with one name do not collide; a changed file (size) is converted again.
     """
     source = Path(gguf_path).expanduser().resolve()
+    return _prepare(source, gguf_cache_dir(source), source.name)
+
+
+def default_cache_dir() -> Path:
+    """Where `default_model_dir` keeps the converted default model."""
+    return rkvjax_home() / "models" / DEFAULT_MODEL
+
+
+def gguf_cache_dir(gguf_path: str | Path) -> Path:
+    """Where `prepared_gguf_dir` keeps the conversion of `gguf_path` (nothing is converted)."""
+    source = Path(gguf_path).expanduser().resolve()
     digest = hashlib.sha256(str(source).encode()).hexdigest()[:10]
-    out = rkvjax_home() / "models" / f"{source.stem}-{digest}"
-    return _prepare(source, out, source.name)
+    return rkvjax_home() / "models" / f"{source.stem}-{digest}"
 
 
 def _prepare(source: Path, out: Path, label: str) -> Path:

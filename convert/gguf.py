@@ -59,7 +59,8 @@ def gguf_to_hf(
         gguf_path: the .gguf file.
         out_dir: folder to create; holds config.json, generation_config.json, model.safetensors,
             tokenizer.json, tokenizer_config.json and a conversion stamp (STAMP_FILE).
-        overwrite: replace an existing non-empty `out_dir` instead of raising FileExistsError.
+        overwrite: replace an existing non-empty `out_dir` that an earlier conversion wrote (it
+            has STAMP_FILE) instead of raising FileExistsError; any other folder is refused.
 
     Returns:
         `out_dir` as a Path.
@@ -69,8 +70,7 @@ def gguf_to_hf(
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf_path}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True to replace)")
+    _check_replaceable(out_dir, overwrite)
     where = gguf_path.name
     with _GGUFFile(gguf_path) as reader:
         meta = reader.meta
@@ -108,6 +108,20 @@ def gguf_to_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
+    """Refuses to write over anything but an absent or empty folder or, with `overwrite`, an
+    earlier conversion: the folder is replaced whole, so it must be one this converter made."""
+    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True to replace)")
+    if not (out_dir / STAMP_FILE).is_file():
+        raise FileExistsError(
+            f"{out_dir} exists and was not written by the GGUF converter (no {STAMP_FILE}); "
+            "overwrite replaces only such folders: choose another output folder"
+        )
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

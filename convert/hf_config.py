@@ -14,18 +14,14 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-# Keys that carry no architecture (training, serialisation, token ids read elsewhere).
+# Keys that carry no architecture (training, serialisation; see also `_is_metadata`).
 _IGNORED = {
-    "_name_or_path",
     "attention_dropout",
-    "bos_token_id",
     "dtype",
-    "eos_token_id",
     "initializer_range",
     "is_llama_config",  # SmolLM2
     "output_attentions",
     "output_hidden_states",
-    "pad_token_id",
     "return_dict",
     "tokenizer_class",
     "torch_dtype",
@@ -34,7 +30,24 @@ _IGNORED = {
     "max_window_layers",  # only meaningful with a sliding window, which must be off
     "sliding_window",  # idem
     "model_name",
+    # Task metadata (a classification head's labels, the tuning task, pipeline defaults): the
+    # causal LM that `architectures` names has no such head.
+    "id2label",
+    "label2id",
+    "problem_type",
+    "finetuning_task",
+    "task_specific_params",
 }
+
+
+def _is_metadata(key: str) -> bool:
+    """Keys that cannot change the model's math, whatever their name: transformers' private
+    bookkeeping (`_name_or_path`, `_model_name_or_path`, `_commit_hash`), special-token ids
+    (`eos_token_id`, `unk_token_id`, `sep_token_id`: the tokenizer's business, not the decoder's)
+    and other libraries' namespaced keys (`transformers.js_config`: no model code reads a dotted
+    name)."""
+    return key.startswith("_") or key.endswith("_token_id") or "." in key
+
 
 # Keys accepted only at one value (or one of a few): anything else changes the math.
 _MUST_EQUAL: dict[str, tuple[Any, ...]] = {
@@ -73,27 +86,67 @@ class ConfigError(ValueError):
     """A config.json this engine cannot run exactly."""
 
 
+_ROPE_KEYS = ("rope_parameters", "rope_scaling")
+
+
+def _rope_dict(raw: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """`raw[key]` with the legacy `type` spelled `rope_type`; {} when absent or null."""
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: `{key}` must be a JSON object or null, got {value!r}")
+    params = dict(value)
+    if "type" in params:
+        legacy = params.pop("type")
+        if params.setdefault("rope_type", legacy) != legacy:
+            raise ConfigError(
+                f"{where}: `{key}.type` = {legacy!r} and `{key}.rope_type` = "
+                f"{params['rope_type']!r} disagree; keep one of them"
+            )
+    return params
+
+
+def _rope_settings(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """RoPE settings merged from transformers-5 `rope_parameters`, transformers-4 `rope_scaling`
+    and top-level `rope_theta`, with each setting's source key.
+
+    Files often carry both spellings, and transformers reads each from a different one (5 lets
+    `rope_scaling` replace `rope_parameters`, 4 ignores `rope_parameters`), so a setting given
+    twice must have one value: otherwise which model runs depends on the reader.
+    """
+    sources = [(f"{key}.", _rope_dict(raw, key, where)) for key in _ROPE_KEYS]
+    if raw.get("rope_theta") is not None:
+        sources.append(("", {"rope_theta": raw["rope_theta"]}))
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for prefix, params in sources:
+        for name, value in params.items():
+            if name in merged and merged[name] != value:
+                raise ConfigError(
+                    f"{where}: `{origin[name]}` = {merged[name]!r} and `{prefix}{name}` = "
+                    f"{value!r} disagree; give the setting once, or the same value in both"
+                )
+            merged.setdefault(name, value)
+            origin.setdefault(name, f"{prefix}{name}")
+    return merged, origin
+
+
 def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
-    """RoPE from transformers-5 `rope_parameters` or transformers-4 `rope_theta`/`rope_scaling`."""
-    params = raw.get("rope_parameters")
-    if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-        if "rope_theta" in raw:
-            params["rope_theta"] = raw["rope_theta"]
-        key = "rope_scaling"
-    else:
-        key = "rope_parameters"
-    params = dict(params)
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    """RoPE from `rope_parameters`, `rope_scaling` and `rope_theta`, which must agree."""
+    params, origin = _rope_settings(raw, where)
+    rope_type = params.pop("rope_type", "default")
     if "rope_theta" not in params:
-        raise ConfigError(f"{where}: no rope_theta (looked in `rope_theta` and `{key}`)")
+        raise ConfigError(
+            f"{where}: no rope_theta (looked in `rope_theta`, `rope_parameters` and `rope_scaling`)"
+        )
     theta = float(params.pop("rope_theta"))
     if rope_type == "default":
         scaling = None
     elif rope_type == "llama3":
         missing = _LLAMA3_KEYS - params.keys()
         if missing:
-            raise ConfigError(f"{where}: `{key}` of type llama3 lacks {sorted(missing)}")
+            raise ConfigError(f"{where}: `{origin['rope_type']}` llama3 lacks {sorted(missing)}")
         scaling = RopeScaling(
             factor=float(params.pop("factor")),
             low_freq_factor=float(params.pop("low_freq_factor")),
@@ -102,13 +155,13 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
         )
     else:
         raise ConfigError(
-            f"{where}: `{key}.rope_type` = {rope_type!r} is not supported "
+            f"{where}: `{origin['rope_type']}` = {rope_type!r} is not supported "
             "(supported: 'default', 'llama3')"
         )
     if params.get("partial_rotary_factor", 1.0) == 1.0:
         params.pop("partial_rotary_factor", None)
     if params:
-        raise ConfigError(f"{where}: unsupported `{key}` settings {sorted(params)}")
+        raise ConfigError(f"{where}: unsupported RoPE settings {sorted(origin[k] for k in params)}")
     return theta, scaling
 
 
@@ -125,7 +178,8 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelCon
             f"{where}: architectures {archs} is not supported for model_type {arch!r} "
             f"(expected [{ARCHITECTURES[arch]!r}])"
         )
-    unknown = raw.keys() - _IGNORED - _MUST_EQUAL.keys() - _HANDLED
+    known = _IGNORED | _MUST_EQUAL.keys() | _HANDLED
+    unknown = {k for k in raw if k not in known and not _is_metadata(k)}
     if unknown:
         raise ConfigError(
             f"{where}: unsupported config key(s) {sorted(unknown)}; rkvjax refuses settings it "
@@ -170,9 +224,28 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelCon
         raise ConfigError(f"{where}: {e}") from e
 
 
+def read_json_object(path: Path, error: type[ValueError] = ValueError) -> dict[str, Any]:
+    """The JSON object in `path`, or `error` naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise error(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+            "restore the file from the model's original folder"
+        ) from None
+    except ValueError as e:  # bytes that are no UTF-8/16/32 text
+        raise error(f"{path}: not a JSON text file ({e}); restore it from the original") from None
+    if not isinstance(data, dict):
+        raise error(
+            f"{path}: expected a JSON object ({{...}}), found a {type(data).__name__}; "
+            "restore the file from the model's original folder"
+        )
+    return data
+
+
 def read_hf_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of a model folder's config.json."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    with open(path) as f:
-        return parse_hf_config(json.load(f), where=str(path))
+    return parse_hf_config(read_json_object(path, ConfigError), where=str(path))

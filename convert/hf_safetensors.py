@@ -10,6 +10,7 @@ receives only its own block, never the whole model.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections import Counter
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from rkvjax.convert.hf_config import read_json_object
 from rkvjax.models.decoder import Decoder, abstract_decoder
 
 from rkvjax import sharding
@@ -45,10 +47,24 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
+        size = path.stat().st_size
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path}: truncated ({size} bytes, too short for a safetensors file); "
+                    "download or copy it again"
+                )
+            (n,) = struct.unpack("<Q", head)
+            if 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: truncated (its header claims {n} bytes, the file has {size}); "
+                    "download or copy it again"
+                )
+            header = _parse_header(path, f.read(n))
         header.pop("__metadata__", None)
+        for name, info in header.items():
+            _check_entry(path, name, info, size - 8 - n)
         self.header = header
         self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
 
@@ -65,12 +81,50 @@ class SafetensorsFile:
         return self._data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def _parse_header(path: Path, raw: bytes) -> dict:
+    """A safetensors header: a JSON object of tensor name -> {dtype, shape, data_offsets}."""
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: unreadable safetensors header (not a JSON object); the file is damaged or "
+            "not safetensors: download or copy it again"
+        )
+    return header
+
+
+def _check_entry(path: Path, name: str, info, data_bytes: int) -> None:
+    """Checks that tensor `name`'s entry is well formed and its bytes lie inside the file, so a
+    truncated file fails here, naming the tensor, not as a reshape error later."""
+    try:
+        start, end = (int(x) for x in info["data_offsets"])
+        shape = [int(d) for d in info["shape"]]
+        dtype = info["dtype"]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: malformed header entry for tensor {name}") from None
+    if end > data_bytes:
+        raise CheckpointError(
+            f"{path}: truncated: tensor {name} needs bytes {start}..{end} of the data, the file "
+            f"holds {data_bytes}; download or copy it again"
+        )
+    itemsize = np.dtype(_DTYPES[dtype]).itemsize if dtype in _DTYPES else None
+    if not 0 <= start <= end or (itemsize and end - start != math.prod(shape) * itemsize):
+        raise CheckpointError(
+            f"{path}: tensor {name} has {end - start} bytes at offsets {start}..{end}, which do "
+            f"not hold a {dtype} tensor of shape {tuple(shape)}; the file is damaged"
+        )
+
+
 def open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
     """Tensor name -> the file holding it, from the index file or every `*.safetensors`."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _weight_map(index)
+        for name in sorted(set(weight_map.values())):
+            if not (folder / name).is_file():
+                raise FileNotFoundError(f"{index}: lists {name}, which is not in {folder}")
         files = {name: SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
         where = {t: files[name] for t, name in weight_map.items()}
         for name, sf in files.items():
@@ -92,6 +146,14 @@ def open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
                 raise CheckpointError(f"{folder}: tensor {t} appears in two files")
             where[t] = sf
     return where
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index file's tensor name -> file name map."""
+    weight_map = read_json_object(index, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: no `weight_map` object of tensor name -> file name")
+    return weight_map
 
 
 # HF name -> (our state path, HF shape, transform into our layout). Several HF tensors may fill

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from rkvjax import layers, sharding
+from rkvjax.config import ModelConfig
 
 
 @jax.tree_util.register_dataclass
@@ -115,7 +116,10 @@ def gather_slots(
 
 
 def pad_slots(x: jax.Array, capacity: int, value=0) -> jax.Array:
-    """[B, K, m, ...] -> [B, K, C, ...], padded with `value` along the slot axis."""
+    """[B, K, m, ...] -> [B, K, C, ...], padded with `value` along the slot axis, or cut to C
+    slots when m > C (callers put real tokens first and only ever cut empty slots)."""
+    if x.shape[2] > capacity:
+        return x[:, :, :capacity]
     pad = [(0, 0)] * x.ndim
     pad[2] = (0, capacity - x.shape[2])
     return jnp.pad(x, pad, constant_values=value)
@@ -161,6 +165,7 @@ def write(
     k: jax.Array,
     v: jax.Array,
     rules: sharding.ShardingRules | None = None,
+    go: jax.Array | None = None,
 ) -> KVCache:
     """Appends one token per row to `layer`, at each row's own `length`.
 
@@ -170,8 +175,13 @@ def write(
       q: [B, 1, N, H] the token's query: shifted into the observation ring if there is one.
       k, v: [B, 1, K, H] the token's key (post-RoPE) and value.
       rules: the mesh's sharding rules (None on one device).
+      go: [B] bool rows that append (None: all). The others' caches and rings are left
+        exactly as they are: empty slots, and rows waiting for a compression lane.
     """
     b, _, kh, _ = k.shape
+    # An out-of-range slot is dropped by the scatter (`_write_at`), so a row that does not go
+    # writes nothing.
+    at = cache.length if go is None else jnp.where(go, cache.length, cache.capacity)
     # Per device under a mesh: the automatic partitioner did not see that the scatter's rows and
     # heads follow the cache's sharding, and all-gathered the new keys, values and indices of
     # every layer on every step.
@@ -183,13 +193,16 @@ def write(
         layers.as_storage(k[:, 0].astype(cache.dtype)),  # [B, K, H]
         layers.as_storage(v[:, 0].astype(cache.dtype)),
         jnp.broadcast_to(cache.pos[:, None], (b, kh)),
-        cache.length,  # [B] each row writes at its own slot
+        at,  # [B] each row writes at its own slot
     )
     q_win = cache.q_win
     if q_win:
         ring = q_win[layer]  # [B, N, W, H]; order inside the ring does not matter to scoring
         q_new = jnp.swapaxes(q, 1, 2).astype(ring.dtype)  # [B, N, 1, H]
-        q_win = _replace_layer(q_win, layer, jnp.concatenate([ring[:, :, 1:], q_new], axis=2))
+        shifted = jnp.concatenate([ring[:, :, 1:], q_new], axis=2)
+        if go is not None:
+            shifted = jnp.where(go[:, None, None, None], shifted, ring)
+        q_win = _replace_layer(q_win, layer, shifted)
     return dataclasses.replace(
         cache,
         k=_replace_layer(cache.k, layer, new_k),
@@ -199,6 +212,61 @@ def write(
     )
 
 
-def advance(cache: KVCache) -> KVCache:
-    """After every layer has appended the step's token: one more slot used, next position."""
-    return dataclasses.replace(cache, length=cache.length + 1, pos=cache.pos + 1)
+def advance(cache: KVCache, go: jax.Array | None = None) -> KVCache:
+    """After every layer has appended the step's token: one more slot used, next position
+    (only for the rows in `go` [B] bool, when given)."""
+    step = 1 if go is None else go.astype(jnp.int32)
+    return dataclasses.replace(cache, length=cache.length + step, pos=cache.pos + step)
+
+
+def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """The cache of rows [R] int32 (indices into B; clipped) as an R-row cache."""
+    take = lambda xs: tuple(x[rows] for x in xs)
+    return dataclasses.replace(
+        cache,
+        k=take(cache.k),
+        v=take(cache.v),
+        slot_pos=take(cache.slot_pos),
+        q_win=take(cache.q_win),
+        length=cache.length[rows],
+        pos=cache.pos[rows],
+    )
+
+
+def put_rows(cache: KVCache, rows: jax.Array, new: KVCache) -> KVCache:
+    """`cache` with rows [R] int32 replaced by the R rows of `new`; indices >= B are dropped.
+
+    Under `jit` with the cache donated the scatter writes in place: admitting a request into
+    a slot moves only that row."""
+
+    def put(xs, ys):
+        return tuple(x.at[rows].set(y, mode="drop") for x, y in zip(xs, ys, strict=True))
+
+    return dataclasses.replace(
+        cache,
+        k=put(cache.k, new.k),
+        v=put(cache.v, new.v),
+        slot_pos=put(cache.slot_pos, new.slot_pos),
+        q_win=put(cache.q_win, new.q_win),
+        length=cache.length.at[rows].set(new.length, mode="drop"),
+        pos=cache.pos.at[rows].set(new.pos, mode="drop"),
+    )
+
+
+def empty(cfg: ModelConfig, rows: int, capacity: int, dtype, window: int) -> KVCache:
+    """A cache of `rows` empty rows (every slot -1); `window` 0 for methods without queries."""
+    storage = layers.as_storage(jnp.zeros((), dtype)).dtype
+    n, k, h = cfg.num_layers, cfg.kv_heads, cfg.head_dim
+
+    def zeros(shape, dt):
+        return tuple(jnp.zeros(shape, dt) for _ in range(n))  # distinct buffers: donated
+
+    return KVCache(
+        k=zeros((rows, k, capacity, h), storage),
+        v=zeros((rows, k, capacity, h), storage),
+        slot_pos=tuple(jnp.full((rows, k, capacity), -1, jnp.int32) for _ in range(n)),
+        q_win=zeros((rows, cfg.q_heads, window, h), dtype) if window else (),
+        length=jnp.zeros((rows,), jnp.int32),
+        pos=jnp.zeros((rows,), jnp.int32),
+        dtype=dtype,
+    )

@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from rkvjax import api, jobs, sharding, xla_flags
+from rkvjax import api, jobs, requests, sharding, xla_flags
 from rkvjax.config import METHODS
 
 
@@ -181,7 +181,45 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_settings(args: argparse.Namespace, model: api.Model) -> dict:
+    """The flags that shape a batch job's results, recorded in its output's header."""
+    return {
+        "model": str(model.path.resolve()),
+        "dtype": model.dtype.__name__,
+        "method": args.method,
+        "budget": _budget(args.budget),
+        "buffer": args.buffer,
+        "think_only": args.think_only,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+        "no_chat": args.no_chat,
+    }
+
+
+def _prompt_check(args: argparse.Namespace, model: api.Model):
+    """-> check(prompt), raising ValueError for a prompt the model cannot run with these flags."""
+    chat = False if args.no_chat else None
+
+    def check(prompt) -> None:
+        ids = requests.encode(model.tokenizer, prompt, chat, "prompt")
+        requests.validate_ids(
+            ids,
+            vocab=model.config.vocab_size,
+            max_positions=model.config.max_positions,
+            max_tokens=args.max_new_tokens,
+            max_tokens_name="max_new_tokens",
+        )
+
+    return check
+
+
 def _batch(args: argparse.Namespace) -> int:
+    jobs.preflight(args.input, args.output)  # bad files fail now, not after the model loads
     model = _load(args)
     ran, skipped = jobs.run_job(
         _generate_fn(args, model, progress=False),
@@ -189,6 +227,8 @@ def _batch(args: argparse.Namespace) -> int:
         args.output,
         batch_size=args.batch_size,
         progress=_progress(args),
+        settings=_job_settings(args, model),
+        check=_prompt_check(args, model),
     )
     if jax.process_index() != 0:
         return 0
@@ -227,6 +267,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
         print(f"rkvjax: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(_interrupted(args), file=sys.stderr)
+        return 130
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    if args.command == "batch":
+        return (
+            f"rkvjax: interrupted; finished results are in {args.output}, rerun the same command "
+            "to resume"
+        )
+    return "rkvjax: interrupted"
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from rkvjax import kernels
 from rkvjax.config import check_int
+from rkvjax.kernels import tuning
 from rkvjax.layers import masked_softmax, unit_vectors
 
 METHODS = ("rkv", "snapkv", "streaming")  # the compressing methods; "full" never selects
@@ -187,17 +188,85 @@ def rkv_scores(queries, keys, valid, *, kernel=7, lam=0.1, threshold=0.5, retain
       threshold: redundancy cosine threshold.
       retain: redundancy matches not counted per row.
       impl: redundancy on the fused Pallas kernel (True), this module's jnp (False), or
-        auto (None); see `rkvjax.kernels.use_pallas`.
+        auto (None); see `use_pallas`.
 
     Returns:
       float32 [B, K, n - W]; higher is kept first. 0 at invalid candidates.
     """
     w = queries.shape[2]
     i = importance(queries, keys, valid, kernel=kernel)  # [B, K, n-W]
-    r = kernels.redundancy(
+    r = redundancy_scores(
         keys, valid, window=w, threshold=threshold, retain=retain, impl=impl
     )  # [B, K, n-W]
     return lam * i - (1 - lam) * r
+
+
+def use_pallas(flag: bool | None = None, *, dense_bytes: int = 0) -> bool:
+    """Whether to run a Pallas kernel instead of its jnp path.
+
+    Auto picks a kernel only where it pays. On an H200 the redundancy kernel was 26-40x slower
+    than XLA's fused jnp path at n = 1K-4K (`bench/kernel_redundancy.py`) while holding O(n)
+    instead of O(n^2) bytes, so it is the path for inputs whose dense similarity matrix would
+    take a large share of device memory (long-prompt prefill), and jnp serves the rest,
+    decode-time compressions over budget + buffer slots included. On CPU Pallas only
+    interprets, so auto never picks it there.
+
+    Args:
+      flag: None for auto; True forces Pallas (interpreted on CPU); False forces jnp.
+      dense_bytes: bytes the jnp path's dense intermediate would take (0 for paths without
+        one, where auto keeps jnp).
+    """
+    if flag is None:
+        return tuning.backend() != "cpu" and dense_bytes > tuning.dense_limit_bytes()
+    if not isinstance(flag, bool):
+        raise ValueError(f"impl must be True, False or None, got {flag!r}")
+    return flag
+
+
+def _interpret() -> bool:
+    # Only GPU (Triton) and TPU (Mosaic) compile Pallas; anything else interprets.
+    return tuning.backend() == "cpu"
+
+
+def redundancy_scores(keys, valid, *, window=8, threshold=0.5, retain=1, impl=None):
+    """`redundancy` on the backend that `use_pallas(impl)` picks: the fused kernel (O(n)
+    memory), or this module's jnp path (not the kernel file's reference, which is the kernel's
+    test oracle: the engine keeps one jnp implementation).
+
+    Args:
+      keys: [B, K, n, H] post-RoPE keys.
+      valid: [B, K, n] bool (None: all valid).
+      window, threshold, retain: see `redundancy`.
+      impl: None (auto: the kernel only when the jnp path's n x n matrix would be large),
+        True (Pallas) or False (jnp).
+
+    Returns:
+      float32 [B, K, n - window].
+    """
+    kw = dict(window=window, threshold=threshold, retain=retain)
+    b, k, n, _ = keys.shape
+    if use_pallas(impl, dense_bytes=b * k * n * n * 4):  # the float32 [B, K, n, n] similarity
+        return kernels.redundancy_pallas(keys, valid, **kw, interpret=_interpret())
+    if valid is None:
+        valid = jnp.ones(keys.shape[:3], bool)
+    return redundancy(keys, valid, **kw)
+
+
+def topk_positions(scores, k, *, impl=None):
+    """`jnp.sort(lax.top_k(scores, k)[1], -1)` on the backend that `use_pallas(impl)` picks.
+
+    Args:
+      scores: [B, K, m] float scores, -inf for invalid candidates.
+      k: static number kept, 1 <= k <= m.
+      impl: None (auto: jnp, as `lax.top_k` holds no large intermediate), True (Pallas) or
+        False (jnp).
+
+    Returns:
+      int32 [B, K, k] ascending positions (ties towards the lower position).
+    """
+    if use_pallas(impl):
+        return kernels.topk_pallas(scores, k, interpret=_interpret())
+    return kernels.topk_reference(scores, k)
 
 
 def _streaming_scores(cand):
@@ -246,7 +315,7 @@ def select(
       retain: redundancy matches not counted per row (1 in the reference).
       impl: Pallas kernels for redundancy and top-k (True), jnp (False) or auto (None: the
         redundancy kernel on GPU/TPU when the dense n x n matrix would be large; see
-        `rkvjax.kernels.use_pallas`).
+        `use_pallas`).
 
     All hyperparameters are static Python numbers.
 
@@ -293,7 +362,7 @@ def select(
     score = jnp.where(score == 0, 0.0, score)  # [B, K, n-W]
     score = jnp.where(cand, score, -jnp.inf)
     # Ascending positions of the top scores, ties towards the lower index (tested).
-    top = kernels.topk_positions(score, budget - window, impl=impl)  # [B, K, budget-W]
+    top = topk_positions(score, budget - window, impl=impl)  # [B, K, budget-W]
     obs = jnp.broadcast_to(jnp.arange(n_cand, n), (b, k_heads, window))  # [B, K, W]
     return jnp.concatenate([top, obs], axis=-1).astype(jnp.int32)
 

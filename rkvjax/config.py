@@ -7,6 +7,8 @@ import json
 import numbers
 from typing import Any
 
+import numpy as np
+
 
 def check_int(name: str, value, low: int) -> None:
     """Raises ValueError unless value is an int (not a bool) >= low."""
@@ -84,7 +86,7 @@ class CompressionConfig:
     retain: int = 1  # newest redundant copies not counted (the reference keeps 1)
     think_end_id: int | None = None  # stop compressing a row once it emits this token
     answer_slots: int = 0  # extra slots for the answer after think_end_id (think-only mode)
-    kernels: bool | None = None  # Pallas: None = auto (`kernels.use_pallas`), True/False = force
+    pallas: bool | None = None  # Pallas kernels: None = auto (`compression.use_pallas`), or force
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -114,8 +116,8 @@ class CompressionConfig:
             raise ValueError(f"retain must be >= 1, got {self.retain}")
         if self.answer_slots < 0:
             raise ValueError(f"answer_slots must be >= 0, got {self.answer_slots}")
-        if self.kernels not in (None, True, False):
-            raise ValueError(f"kernels must be None, True or False, got {self.kernels!r}")
+        if self.pallas not in (None, True, False):
+            raise ValueError(f"pallas must be None, True or False, got {self.pallas!r}")
         if self.answer_slots and self.think_end_id is None:
             raise ValueError("answer_slots only applies with think_end_id (think-only mode)")
 
@@ -132,3 +134,57 @@ class CompressionConfig:
     def capacity(self) -> int:
         """Static slots per (layer, KV head, row) of a compressing cache."""
         return self.budget + self.buffer + self.answer_slots
+
+
+def compression_config(
+    method: str = "rkv",
+    budget: int | float | None = None,
+    *,
+    prompt_len: int = 0,
+    max_new_tokens: int = 0,
+    buffer: int = 128,
+    window: int = 8,
+    kernel: int = 7,
+    lam: float = 0.1,
+    threshold: float = 0.5,
+    retain: int = 1,
+    think_end_id: int | None = None,
+    answer_slots: int | None = None,
+    pallas: bool | None = None,
+) -> CompressionConfig:
+    """The one place user-facing cache settings become a validated `CompressionConfig`.
+
+    `budget=None` or `method="full"` means FullKV. A float budget in (0, 1] is a fraction of
+    `prompt_len + max_new_tokens` (the longest prompt and longest generation of a run),
+    rounded, and at least `window + 1`.
+
+    Raises:
+      ValueError: naming the first bad setting.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if budget is None or method == "full":
+        return CompressionConfig(method="full")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
+        raise ValueError(f"budget must be an int (tokens) or a float in (0, 1], got {budget!r}")
+    if isinstance(budget, (float, np.floating)):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"a float budget is a fraction in (0, 1], got {budget}")
+        if prompt_len + max_new_tokens < 1:
+            raise ValueError("a fractional budget needs the prompt and generation lengths")
+        budget = max(round(budget * (prompt_len + max_new_tokens)), window + 1)
+    if think_end_id is None and answer_slots:
+        raise ValueError("answer_slots needs think_end_id (think-only mode)")
+    return CompressionConfig(
+        method=method,
+        budget=int(budget),
+        buffer=buffer,
+        window=window,
+        kernel=kernel,
+        lam=lam,
+        threshold=threshold,
+        retain=retain,
+        think_end_id=think_end_id,
+        answer_slots=(512 if answer_slots is None else answer_slots) if think_end_id else 0,
+        pallas=pallas,
+    )

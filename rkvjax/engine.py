@@ -1,8 +1,15 @@
-"""Prefill, decode loop and full forward: the only `jax.jit` boundaries of the engine.
+"""The jit boundaries of the slot runtime: prefill a group, insert it into slots, decode a chunk.
+
+The unit of work is a slot: a row of the batch that holds one request's cache, counters and
+sampling settings as arrays (`SlotState`), so requests with different prompts, lengths and
+settings share one compiled program. Between decode chunks the host prefills new requests
+(`prefill`, bucketed in rows and prompt length) and scatters them into free slots (`insert`);
+`decode` then runs up to `steps` steps as a `lax.while_loop` on device and returns the chunk's
+new tokens (`ChunkOut`). Only rows whose cache is full run a compression, in a fixed number of
+lanes per step (`policy.compress_lanes`).
 
 The model arrives as a pytree argument (a Flax NNX module; its config is static pytree metadata),
-never as a static argument or a closure. Decode runs as chunks of a `lax.while_loop` on device: the
-host sees the state once per chunk (progress, early stop), never once per token.
+never as a static argument or a closure.
 """
 
 from __future__ import annotations
@@ -17,13 +24,13 @@ import jax.numpy as jnp
 from jax import monitoring
 
 from rkvjax import cache as kv
-from rkvjax import layers, policy, sharding
+from rkvjax import layers, policy, sampling, sharding
 from rkvjax.config import CompressionConfig
-from rkvjax.sampling import SamplingConfig, sample
 
-# Incremented at trace time only: tests use it to prove a generation compiled each step once.
+# Incremented at trace time only: tests use it to prove a run compiled each function once.
 TRACES: collections.Counter[str] = collections.Counter()
 _COMPILE_S = [0.0]
+_NONE = jnp.iinfo(jnp.int32).max  # a row index that scatters drop
 
 
 def _on_jax_event(name: str, secs: float, **_) -> None:
@@ -40,70 +47,122 @@ def compile_seconds() -> float:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecodePlan:
-    """Everything static about one generation: part of the compiled program's identity."""
+class Plan:
+    """Everything static about a runtime besides array shapes: part of each program's identity.
 
-    sampling: SamplingConfig
+    Slots, cache capacity, stop-id width and the teacher-forcing length are read from the state's
+    shapes; per-request values (lengths, sampling, stop ids) are arrays of the state.
+    """
+
     compression: CompressionConfig
-    stop_ids: tuple[int, ...]  # token ids that end a row
-    capacity: int  # C, cache slots per (layer, KV head, row)
-    max_new: int  # M, tokens generated (or teacher-forced) per row
-    teacher: bool = False  # tokens are given: score them instead of sampling
-    keep_dists: bool = False  # teacher mode: also keep every step's log-probabilities [V]
-    record_kept: bool = False  # log the positions each compression kept, per layer and KV head
+    lanes: int = 1  # compressions per decode step (per data shard)
+    sampler: sampling.SamplerConfig = dataclasses.field(
+        default_factory=lambda: sampling.SamplerConfig()
+    )
+    teacher: bool = False  # score given tokens instead of sampling
+    keep_dists: bool = False  # teacher mode: also return every step's log-probabilities [V]
+    record_kept: bool = False  # return the positions each compression kept
     # On a mesh (the caller runs under `jax.set_mesh`): how the cache and the compression are
     # split over it. None = one device, with no sharding constraint and no shard_map.
     rules: sharding.ShardingRules | None = None
 
-    @property
-    def max_events(self) -> int:
-        """Compressions a row can run at most: the prompt's, then one per `buffer` new tokens."""
-        cc = self.compression
-        return 2 + self.max_new // cc.buffer if self.record_kept and cc.compressing else 0
+    def __post_init__(self):
+        if self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecodeState:
+class SlotState:
+    """The running batch: one request (or nothing) per row."""
+
     cache: kv.KVCache
-    tokens: jax.Array  # [B, M] int32 generated (or given) tokens, 0 past a row's end
-    num: jax.Array  # [B] int32 tokens generated per row (the stop token included)
-    done: jax.Array  # [B] bool
-    step: jax.Array  # [] int32 column of `tokens` to fill next
-    key: jax.Array  # PRNG key of the run; step s samples with fold_in(key, s)
-    thinking: jax.Array  # [B] bool: think-only mode compresses a row only while this holds
-    compressions: jax.Array  # [B] int32 compressions run per row (prefill included)
-    peak: jax.Array  # [B] int32 most occupied slots a row has had
-    logprob: jax.Array  # [B, M] f32 teacher mode: log p(token); [B, 0] otherwise
-    top1: jax.Array  # [B, M] int32 teacher mode: the argmax prediction; [B, 0] otherwise
-    dists: jax.Array  # [B, M, V] f32 log-probs with keep_dists; [B, 0, 0] otherwise
-    kept: jax.Array  # [B, E, L, K, budget] int32 positions kept by each compression (record_kept)
+    last: jax.Array  # [B] int32 the token fed at the next step
+    num: jax.Array  # [B] int32 tokens emitted for the row's request so far
+    active: jax.Array  # [B] bool the row holds a request that is still generating
+    max_tokens: jax.Array  # [B] int32 the request's token budget
+    stop_ids: jax.Array  # [B, S] int32 token ids that end the request (-1 = none)
+    block_ids: jax.Array  # [B, S] int32 token ids blocked until min_tokens (-1 = none)
+    sampling: sampling.SlotSampling  # [B] per-row sampling settings
+    thinking: jax.Array  # [B] bool think-only mode compresses a row only while this holds
+    compressions: jax.Array  # [B] int32 compressions run (the prompt's included)
+    peak: jax.Array  # [B] int32 most occupied slots the row has had
+    stalls: jax.Array  # [B] int32 steps the row waited for a compression lane
+    counts: jax.Array  # [B, V] int32 output token counts (penalties; [B, 0] otherwise)
+    seen: jax.Array  # [B, V] bool the prompt's tokens (penalties; [B, 0] otherwise)
+    given: jax.Array  # [B, M] int32 teacher mode: the continuation to score ([B, 0] otherwise)
+    step: jax.Array  # [] int32 decode steps run: the compression lanes rotate with it
 
 
-def _constrain(s: DecodeState, rules: sharding.ShardingRules | None) -> DecodeState:
-    """Pins every leaf of the state (rows on "data", the cache also on "model"). Prefill and
-    each decode chunk end with it, so every chunk receives the shardings the previous one
-    returned and decode compiles once per generation on a mesh too."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """A prefilled group of k prompts, ready to be inserted into slots."""
+
+    cache: kv.KVCache  # k rows at the slots' capacity
+    logits: jax.Array  # [k, V] float32 after each prompt's last token
+    squeezed: jax.Array  # [k] bool the prompt was compressed
+    kept: jax.Array  # [k, L, K, budget] int32 what that compression kept (record_kept)
+    seen: jax.Array  # [k, V] bool the prompt's tokens (penalties; [k, 0] otherwise)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NewRows:
+    """Per-destination values of an insert: R rows, each a request's sample."""
+
+    max_tokens: jax.Array  # [R] int32
+    stop_ids: jax.Array  # [R, S] int32 (-1 = none)
+    block_ids: jax.Array  # [R, S] int32 (-1 = none)
+    sampling: sampling.SlotSampling  # [R]
+    given: jax.Array  # [R, M] int32 (teacher mode; [R, 0] otherwise)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """Tokens emitted per row, T at most: a decode chunk's (T = steps) or an insert's (T = 1).
+
+    Row b's tokens are `tokens[b, :count[b]]`; with logprobs, teacher forcing or kept-set
+    recording the matching entries follow the same layout.
+    """
+
+    tokens: jax.Array  # [B, T] int32 (-1 past count)
+    count: jax.Array  # [B] int32
+    logprob: jax.Array  # [B, T] f32 of each token (logprobs or teacher mode; [B, 0] otherwise)
+    top_ids: jax.Array  # [B, T, N] int32 the N most likely tokens ([B, 0, 0] without logprobs)
+    top_logprobs: jax.Array  # [B, T, N] f32
+    top1: jax.Array  # [B, T] int32 teacher mode: the argmax prediction ([B, 0] otherwise)
+    dists: jax.Array  # [B, T, V] f32 teacher mode with keep_dists ([B, 0, 0] otherwise)
+    # Rows' state at the end, for the requests that finished.
+    active: jax.Array  # [B] bool
+    compressions: jax.Array  # [B] int32
+    peak: jax.Array  # [B] int32
+    stalls: jax.Array  # [B] int32
+    # Decode chunks only (zeros after an insert): the run's counters.
+    kept_rows: jax.Array  # [T, D * lanes] int32 the row each lane compressed (max int = none)
+    kept: jax.Array  # [T, D * lanes, L, K, budget] int32 (record_kept; [T, 0, 0, 0, 0] else)
+    steps: jax.Array  # [] int32 decode steps run
+    busy: jax.Array  # [] int32 active row-steps (slot occupancy)
+    fired: jax.Array  # [] int32 rows compressed
+    stalled: jax.Array  # [] int32 row-steps that waited for a lane
+
+
+def _rows(x, rules):
+    return sharding.constrain(x, rules, "batch", *[None] * (x.ndim - 1))
+
+
+def _constrain_state(s: SlotState, rules: sharding.ShardingRules | None) -> SlotState:
+    """Pins every leaf of the state (rows on "data", the cache also on "model"). Every jit
+    boundary ends with it, so each call receives the shardings the previous one returned and
+    nothing recompiles on a mesh either."""
     if rules is None:
         return s
-
-    def rows(x):  # [B, ...]: rows split, the rest whole
-        return sharding.constrain(x, rules, "batch", *[None] * (x.ndim - 1))
-
-    return DecodeState(
+    rows = functools.partial(_rows, rules=rules)
+    return dataclasses.replace(
+        jax.tree.map(rows, dataclasses.replace(s, cache=None, step=None)),
         cache=kv.constrain(s.cache, rules),
-        tokens=rows(s.tokens),
-        num=rows(s.num),
-        done=rows(s.done),
         step=sharding.constrain(s.step, rules),
-        key=sharding.constrain(s.key, rules),
-        thinking=rows(s.thinking),
-        compressions=rows(s.compressions),
-        peak=rows(s.peak),
-        logprob=rows(s.logprob),
-        top1=rows(s.top1),
-        dists=rows(s.dists),
-        kept=rows(s.kept),
     )
 
 
@@ -117,9 +176,9 @@ def _causal_attend(positions: jax.Array):
     return attend
 
 
-def _cache_attend(i, q, k, v, cache: kv.KVCache, rules: sharding.ShardingRules | None = None):
-    """attend() for decode: append this token to the cache, then attend over the cache."""
-    cache = kv.write(cache, i, q, k, v, rules)
+def _cache_attend(i, q, k, v, cache: kv.KVCache, rules=None, go=None):
+    """attend() for decode: append this token to the cache (rows in `go`), then attend."""
+    cache = kv.write(cache, i, q, k, v, rules, go)
     out = layers.attention(q, cache.keys(i), cache.values(i), cache.attend_mask(i), kv_axis=2)
     return out, cache
 
@@ -132,139 +191,407 @@ def forward_logits(model, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     return model.head(x)
 
 
-def _is_stop(tok: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
-    if not stop_ids:
-        return jnp.zeros(tok.shape, bool)
-    return jnp.isin(tok, jnp.asarray(stop_ids, jnp.int32))
-
-
-def _next_token(logits, s_tokens, step, key, plan: DecodePlan):
-    """logits [B, V] -> (token [B], logprob [B] or None, top1 [B] or None, dist [B, V] or None)."""
-    if not plan.teacher:
-        return sample(logits, jax.random.fold_in(key, step), plan.sampling), None, None, None
-    tok = jnp.take(s_tokens, step, axis=1)  # [B] the given token
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
-    chosen = jnp.take_along_axis(logp, tok[:, None], axis=1)[:, 0]
-    top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return tok, chosen, top1, logp if plan.keep_dists else None
-
-
-def _record(s_field, value, step):
-    """Writes value [B, ...] into column `step` of s_field [B, M, ...] (no-op when unused)."""
-    if value is None:
-        return s_field
-    return jax.lax.dynamic_update_slice_in_dim(
-        s_field, value[:, None].astype(s_field.dtype), step, 1
+def init_state(
+    model,
+    *,
+    slots: int,
+    capacity: int,
+    stop_width: int,
+    given_len: int,
+    plan: Plan,
+) -> SlotState:
+    """An empty state of `slots` rows (no request in any), laid out as every call returns it."""
+    return _init_state(
+        model, slots=slots, capacity=capacity, stop_width=stop_width, given_len=given_len, plan=plan
     )
 
 
-@functools.partial(jax.jit, static_argnames=("plan",))
-def prefill(
-    model, tokens: jax.Array, positions: jax.Array, given: jax.Array, key: jax.Array, *, plan
-) -> DecodeState:
-    """Runs the prompt, fills the cache (compressing it if longer than the budget), emits token 0.
+@functools.partial(
+    jax.jit, static_argnames=("slots", "capacity", "stop_width", "given_len", "plan")
+)
+def _init_state(model, *, slots, capacity, stop_width, given_len, plan: Plan) -> SlotState:
+    TRACES["init_state"] += 1
+    cfg, cc = model.cfg, plan.compression
+    dtype = model.embed[...].dtype
+    cache = kv.empty(cfg, slots, capacity, dtype, cc.window if cc.compressing else 0)
+    v = cfg.vocab_size if plan.sampler.penalties else 0
+    zeros = functools.partial(jnp.zeros, (slots,), jnp.int32)
+    state = SlotState(
+        cache=cache,
+        last=zeros(),
+        num=zeros(),
+        active=jnp.zeros((slots,), bool),
+        max_tokens=zeros(),
+        stop_ids=jnp.full((slots, stop_width), -1, jnp.int32),
+        block_ids=jnp.full((slots, stop_width), -1, jnp.int32),
+        sampling=sampling.SlotSampling.empty(slots),
+        thinking=jnp.ones((slots,), bool),
+        compressions=zeros(),
+        peak=zeros(),
+        stalls=zeros(),
+        counts=jnp.zeros((slots, v), jnp.int32),
+        seen=jnp.zeros((slots, v), bool),
+        given=jnp.zeros((slots, given_len), jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+    )
+    return _constrain_state(state, plan.rules)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "plan"))
+def prefill(model, tokens: jax.Array, positions: jax.Array, *, capacity: int, plan: Plan):
+    """Runs a group of prompts and builds their cache rows (compressing prompts longer than the
+    budget), ready for `insert`.
 
     Args:
       model: the decoder (pytree).
-      tokens, positions: [B, P] int32, left-padded; positions are -1 at pads.
-      given: [B, M] int32 tokens to score in teacher mode (ignored otherwise).
-      key: PRNG key of the run.
-      plan: static DecodePlan.
+      tokens, positions: [k, P] int32, left-padded; positions are -1 at pads.
+      capacity: C, the slots' cache capacity (static).
+      plan: static Plan.
+
+    Returns:
+      A Prefilled group of k rows.
     """
     TRACES["prefill"] += 1
     cc = plan.compression
     x, qkvs = model.hidden(tokens, positions, _causal_attend(positions), ())
-    logits = model.head(x[:, -1:])[:, 0]  # [B, V]; left padding puts every row's last token here
+    logits = model.head(x[:, -1:])[:, 0]  # [k, V]; left padding puts every row's last token here
     qs, ks, vs = (tuple(t) for t in zip(*qkvs, strict=True))
-    cache, squeezed = policy.prefill_cache(ks, vs, qs, positions, cc, plan.capacity, plan.rules)
-    b, m = tokens.shape[0], plan.max_new
-    buf = given if plan.teacher else jnp.zeros((b, m), jnp.int32)
-    first, logp, top1, dist = _next_token(logits, buf, 0, key, plan)
+    cache, squeezed = policy.prefill_cache(ks, vs, qs, positions, cc, capacity, plan.rules)
+    k = tokens.shape[0]
+    if plan.record_kept and cc.compressing:
+        kept = jnp.stack([sp[:, :, : cc.budget] for sp in cache.slot_pos], axis=1)
+    else:
+        kept = jnp.zeros((k, 0, 0, 0), jnp.int32)
+    seen = jnp.zeros((k, 0), bool)
+    if plan.sampler.penalties:
+        seen = sampling.token_mask(jnp.where(positions >= 0, tokens, -1), model.cfg.vocab_size)
+    pre = Prefilled(cache=cache, logits=logits, squeezed=squeezed, kept=kept, seen=seen)
+    if plan.rules is None:
+        return pre
+    rows = functools.partial(_rows, rules=plan.rules)
+    return dataclasses.replace(
+        jax.tree.map(rows, dataclasses.replace(pre, cache=None)),
+        cache=kv.constrain(cache, plan.rules),
+    )
+
+
+def _is_stop(tok: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tok [B] int32, stop_ids [B, S] -> [B] bool."""
+    return jnp.any(tok[:, None] == stop_ids, axis=-1)
+
+
+def _think_end(cc: CompressionConfig, tok: jax.Array) -> jax.Array:
+    if cc.think_end_id is None:
+        return jnp.zeros(tok.shape, bool)
+    return tok == cc.think_end_id
+
+
+def _block(logits: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens ids [B, S] (-1 = none) of the rows [B] bool at -inf:
+    min_tokens' block on stop tokens, as a scatter of B x S entries."""
+    b, v = logits.shape
+    ids = jnp.where(rows[:, None] & (ids >= 0), ids, v)  # [B, S], v: dropped
+    return logits.at[jnp.arange(b)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+def _choose(logits, s_sampling, num, block_ids, given, counts, seen, plan: Plan):
+    """The next token of each row from its logits [B, V].
+
+    Returns:
+      (token [B] int32, logprob [B] or None, top (ids, logprobs) [B, N] or None, top1 [B] or
+      None, dist [B, V] or None). Logprobs are of the raw logits, before penalties and
+      temperature (what `score` reports and vLLM returns by default).
+    """
+    if plan.teacher:
+        tok = jnp.take_along_axis(given, jnp.minimum(num, given.shape[1] - 1)[:, None], axis=1)
+        tok = tok[:, 0]  # [B] the given token
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
+        chosen = jnp.take_along_axis(logp, tok[:, None], axis=1)[:, 0]
+        top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tok, chosen, None, top1, logp if plan.keep_dists else None
+    keys = sampling.token_keys(s_sampling.seed, s_sampling.sample_index, num)
+    blocked = _block(logits.astype(jnp.float32), block_ids, num < s_sampling.min_tokens)
+    tok = sampling.sample_rows(
+        blocked,
+        s_sampling,
+        keys,
+        output_counts=counts if plan.sampler.penalties else None,
+        prompt_mask=seen if plan.sampler.penalties else None,
+        num_generated=num,
+    )
+    if plan.sampler.logprobs is None:
+        return tok, None, None, None, None
+    chosen, top_ids, top_lp = sampling.token_logprobs(logits, tok, plan.sampler.logprobs)
+    return tok, chosen, (top_ids, top_lp), None, None
+
+
+def _empty_tokens(b: int, t: int, v: int, lanes: int, kept_shape, plan: Plan) -> Tokens:
+    """Output buffers of a call emitting up to t tokens per row."""
+    n = plan.sampler.logprobs or 0
+    has_lp = plan.teacher or plan.sampler.logprobs is not None
+    return Tokens(
+        tokens=jnp.full((b, t), -1, jnp.int32),
+        count=jnp.zeros((b,), jnp.int32),
+        logprob=jnp.zeros((b, t if has_lp else 0), jnp.float32),
+        top_ids=jnp.zeros((b, t, n) if n else (b, 0, 0), jnp.int32),
+        top_logprobs=jnp.zeros((b, t, n) if n else (b, 0, 0), jnp.float32),
+        top1=jnp.zeros((b, t if plan.teacher else 0), jnp.int32),
+        dists=jnp.zeros((b, t, v) if plan.keep_dists else (b, 0, 0), jnp.float32),
+        active=jnp.zeros((b,), bool),
+        compressions=jnp.zeros((b,), jnp.int32),
+        peak=jnp.zeros((b,), jnp.int32),
+        stalls=jnp.zeros((b,), jnp.int32),
+        kept_rows=jnp.full((t, lanes), _NONE, jnp.int32),
+        kept=jnp.zeros(kept_shape, jnp.int32),
+        steps=jnp.zeros((), jnp.int32),
+        busy=jnp.zeros((), jnp.int32),
+        fired=jnp.zeros((), jnp.int32),
+        stalled=jnp.zeros((), jnp.int32),
+    )
+
+
+# The [B, ...] outputs of Tokens, written per row each step.
+_ROW_OUT = ("tokens", "count", "logprob", "top_ids", "top_logprobs", "top1", "dists")
+
+
+def _emit(bufs: dict, col, go, tok, logp, top, top1, dist) -> dict:
+    """Writes this step's outputs of the rows in `go` at their column `col` [B] of the
+    `_ROW_OUT` buffers."""
+    b, t = bufs["tokens"].shape
+    rows = jnp.arange(b)
+    col = jnp.where(go, col, t)  # out of range: dropped
+
+    def put(buf, value):
+        if value is None or buf.shape[1] == 0:
+            return buf
+        return buf.at[rows, col].set(value.astype(buf.dtype), mode="drop")
+
+    return dict(
+        tokens=put(bufs["tokens"], tok),
+        count=bufs["count"] + go,
+        logprob=put(bufs["logprob"], logp),
+        top_ids=put(bufs["top_ids"], None if top is None else top[0]),
+        top_logprobs=put(bufs["top_logprobs"], None if top is None else top[1]),
+        top1=put(bufs["top1"], top1),
+        dists=put(bufs["dists"], dist),
+    )
+
+
+def _row_outputs(o: Tokens) -> dict:
+    return {name: getattr(o, name) for name in _ROW_OUT}
+
+
+def _next_tokens(logits, s_sampling, num, block_ids, given, counts, seen, go, col, bufs, plan):
+    """A step's per-row work: choose each row's token, record it, count it.
+
+    Every input and output is [B, ...] and rows never mix, so on a mesh this runs per data
+    shard under shard_map: the automatic partitioner all-gathered the rows for the sampler's
+    top-k and for the scatters into the output buffers.
+
+    Returns:
+      (token [B], counts [B, V], the `_ROW_OUT` buffers).
+    """
+
+    def body(logits, s_sampling, num, block_ids, given, counts, seen, go, col, bufs):
+        tok, logp, top, top1, dist = _choose(
+            logits, s_sampling, num, block_ids, given, counts, seen, plan
+        )
+        bufs = _emit(bufs, col, go, tok, logp, top, top1, dist)
+        return tok, _count(counts, tok, go, plan), bufs
+
+    args = (logits, s_sampling, num, block_ids, given, counts, seen, go, col, bufs)
+    if plan.rules is None:
+        return body(*args)
+
+    def rows(x):  # logical axes of a [B, ...] array: rows split, the rest whole
+        return ("batch", *[None] * (x.ndim - 1))
+
+    out_axes = jax.tree.map(rows, jax.eval_shape(body, *args))
+    return sharding.local(body, plan.rules, jax.tree.map(rows, args), out_axes)(*args)
+
+
+def _count(counts, tok, go, plan: Plan):
+    """Output token counts after the rows in `go` emitted `tok` (penalties only)."""
+    if not plan.sampler.penalties:
+        return counts
+    return sampling.update_output_counts(counts, tok, go)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def insert(
+    state: SlotState, group: Prefilled, src: jax.Array, dst: jax.Array, new: NewRows, *, plan
+) -> tuple[SlotState, Tokens]:
+    """Admits R new rows: prefilled row src[r] of `group` goes into slot dst[r] (>= B: none).
+
+    A prompt's n samples are n destinations of one prefilled row. Each row's first token is
+    chosen here from the prefill logits with the row's own settings and key (token index 0),
+    so a sample does not depend on the slot it lands in.
+
+    Returns:
+      (state, Tokens [R, 1]: each new row's first token, in src/dst order).
+    """
+    TRACES["insert"] += 1
+    cc = plan.compression
+    r = src.shape[0]
+    cache = kv.take_rows(group.cache, src)
+    logits = group.logits[src]  # [R, V]
+    num = jnp.zeros((r,), jnp.int32)
+    seen = group.seen[src]
+    counts = jnp.zeros(seen.shape, jnp.int32)
+    go = dst < state.active.shape[0]
     v = logits.shape[-1]
-    state = DecodeState(
-        cache=cache,
-        tokens=buf.at[:, 0].set(first),
-        num=jnp.ones((b,), jnp.int32),
-        done=(_is_stop(first, plan.stop_ids) & (not plan.teacher))
-        | (m == 1)
-        | (plan.teacher & (buf[:, min(1, m - 1)] < 0)),
-        step=jnp.asarray(1, jnp.int32),
-        key=key,
-        thinking=~_is_stop(first, _think_end(cc)),
-        compressions=squeezed.astype(jnp.int32),
-        peak=cache.length,
-        logprob=_record(jnp.zeros((b, m if plan.teacher else 0), jnp.float32), logp, 0),
-        top1=_record(jnp.zeros((b, m if plan.teacher else 0), jnp.int32), top1, 0),
-        dists=_record(jnp.zeros((b, m, v) if plan.keep_dists else (b, 0, 0), jnp.float32), dist, 0),
-        kept=_log_kept(
-            jnp.full((b, plan.max_events, len(ks), ks[0].shape[2], cc.budget), -1, jnp.int32),
-            cache,
-            squeezed,
-            jnp.zeros((b,), jnp.int32),
-            cc.budget,
-        ),
+    out = _empty_tokens(r, 1, v, 0, (1, 0, 0, 0, 0), plan)
+    tok, counts, bufs = _next_tokens(
+        logits, new.sampling, num, new.block_ids, new.given, counts, seen, go,
+        num, _row_outputs(out), dataclasses.replace(plan, rules=None),
+    )  # fmt: skip
+    num = num + 1
+    stop = _is_stop(tok, new.stop_ids) & (num >= new.sampling.min_tokens) & (not plan.teacher)
+    active = go & ~stop & (num < new.max_tokens)
+    compressions = group.squeezed[src].astype(jnp.int32)
+
+    def put(x, y):
+        return x.at[dst].set(y.astype(x.dtype), mode="drop")
+
+    state = dataclasses.replace(
+        state,
+        cache=kv.put_rows(state.cache, dst, cache),
+        last=put(state.last, tok),
+        num=put(state.num, num),
+        active=put(state.active, active),
+        max_tokens=put(state.max_tokens, new.max_tokens),
+        stop_ids=put(state.stop_ids, new.stop_ids),
+        block_ids=put(state.block_ids, new.block_ids),
+        sampling=state.sampling.set_rows(dst, new.sampling),
+        thinking=put(state.thinking, ~_think_end(cc, tok)),
+        compressions=put(state.compressions, compressions),
+        peak=put(state.peak, cache.length),
+        stalls=put(state.stalls, jnp.zeros((r,), jnp.int32)),
+        counts=put(state.counts, counts) if plan.sampler.penalties else state.counts,
+        seen=put(state.seen, seen) if plan.sampler.penalties else state.seen,
+        given=put(state.given, new.given) if plan.teacher else state.given,
     )
-    return _constrain(state, plan.rules)
-
-
-def _log_kept(kept: jax.Array, cache: kv.KVCache, fired: jax.Array, count: jax.Array, budget):
-    """Writes the positions now in the first `budget` slots of the fired rows into event
-    `count[b]` of kept [B, E, L, K, budget] (nothing when recording is off)."""
-    if kept.shape[1] == 0:
-        return kept
-    now = jnp.stack([sp[:, :, :budget] for sp in cache.slot_pos], axis=1)  # [B, L, K, budget]
-
-    def row(buf, new, at, on):  # buf [E, L, K, budget]
-        return jnp.where(on, jax.lax.dynamic_update_slice_in_dim(buf, new[None], at, 0), buf)
-
-    return jax.lax.cond(
-        jnp.any(fired), lambda k: jax.vmap(row)(k, now, count, fired), lambda k: k, kept
+    out = dataclasses.replace(
+        out, **bufs, active=active, compressions=compressions, peak=cache.length
     )
+    return _constrain_state(state, plan.rules), out
 
 
-def _think_end(cc: CompressionConfig) -> tuple[int, ...]:
-    return () if cc.think_end_id is None else (cc.think_end_id,)
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def release(state: SlotState, rows: jax.Array, *, plan) -> SlotState:
+    """Ends the requests in rows [B] bool (the host found a stop string): they stop generating
+    and compressing, and their slots are free."""
+    TRACES["release"] += 1
+    return _constrain_state(dataclasses.replace(state, active=state.active & ~rows), plan.rules)
 
 
-def _decode_step(model, s: DecodeState, plan: DecodePlan) -> DecodeState:
-    cache, fired = policy.maybe_compress(
-        s.cache, plan.compression, s.thinking, plan.rules, active=~s.done
-    )
-    last = jnp.take(s.tokens, s.step - 1, axis=1)  # [B]
-    attend = functools.partial(_cache_attend, rules=plan.rules)
-    x, cache = model.hidden(last[:, None], cache.pos[:, None], attend, cache)
+def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
+    cc = plan.compression
+    cache = s.cache
+    b = s.active.shape[0]
+    waiting = jnp.zeros((b,), bool)
+    fired = jnp.zeros((b,), bool)
+    if cc.compressing:
+        full = policy.full_rows(cache, cc, s.thinking, s.active)
+        cache, fired, lane_rows, log = policy.compress_lanes(
+            cache, full, cc, lanes=plan.lanes, start=s.step, rules=plan.rules
+        )
+        waiting = full & ~fired
+        o = dataclasses.replace(
+            o,
+            kept_rows=jax.lax.dynamic_update_index_in_dim(o.kept_rows, lane_rows, i, 0),
+            kept=jax.lax.dynamic_update_index_in_dim(o.kept, log, i, 0)
+            if plan.record_kept
+            else o.kept,
+        )
+    go = s.active & ~waiting  # [B] rows that take a decode step
+    attend = functools.partial(_cache_attend, rules=plan.rules, go=go)
+    x, cache = model.hidden(s.last[:, None], cache.pos[:, None], attend, cache)
     # Pinned every step, so the loop carry keeps the prefill's [B->data, K->model] layout.
-    cache = kv.constrain(kv.advance(cache), plan.rules)
-    tok, logp, top1, dist = _next_token(model.head(x)[:, 0], s.tokens, s.step, s.key, plan)
-    tok = jnp.where(s.done, 0, tok)
-    # Teacher mode: a row whose continuation has no token at step + 1 (-1 pad) is done.
-    nxt = jnp.take(s.tokens, jnp.minimum(s.step + 1, plan.max_new - 1), axis=1)  # [B]
-    ended = (nxt < 0) & (s.step + 1 < plan.max_new) if plan.teacher else False
-    return DecodeState(
+    cache = kv.constrain(kv.advance(cache, go), plan.rules)
+    logits = model.head(x)[:, 0]  # [B, V]
+    tok, counts, bufs = _next_tokens(
+        logits, s.sampling, s.num, s.block_ids, s.given, s.counts, s.seen, go,
+        s.num - num0, _row_outputs(o), plan,
+    )  # fmt: skip
+    o = dataclasses.replace(o, **bufs)
+    num = s.num + go
+    stop = _is_stop(tok, s.stop_ids) & (num >= s.sampling.min_tokens) & (not plan.teacher)
+    finished = go & (stop | (num >= s.max_tokens))
+    s = dataclasses.replace(
+        s,
         cache=cache,
-        tokens=_record(s.tokens, tok, s.step),
-        num=s.num + ~s.done,
-        done=s.done | (_is_stop(tok, plan.stop_ids) & (not plan.teacher)) | ended,
-        step=s.step + 1,
-        key=s.key,
-        thinking=s.thinking & ~_is_stop(tok, _think_end(plan.compression)),
+        last=jnp.where(go, tok, s.last),
+        num=num,
+        active=s.active & ~finished,
+        thinking=s.thinking & ~(go & _think_end(cc, tok)),
         compressions=s.compressions + fired,
-        peak=jnp.where(s.done, s.peak, jnp.maximum(s.peak, cache.length)),
-        logprob=_record(s.logprob, logp, s.step),
-        top1=_record(s.top1, top1, s.step),
-        dists=_record(s.dists, dist, s.step),
-        kept=_log_kept(s.kept, cache, fired, s.compressions, plan.compression.budget),
+        peak=jnp.where(go, jnp.maximum(s.peak, cache.length), s.peak),
+        stalls=s.stalls + waiting,
+        counts=counts,
+        step=s.step + 1,
     )
+    o = dataclasses.replace(
+        o,
+        steps=o.steps + 1,
+        busy=o.busy + jnp.sum(go | waiting),
+        fired=o.fired + jnp.sum(fired),
+        stalled=o.stalled + jnp.sum(waiting),
+    )
+    return s, o
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "plan"), donate_argnames=("state",))
-def decode(model, state: DecodeState, *, steps: int, plan: DecodePlan) -> DecodeState:
-    """Up to `steps` decode steps on device; stops early once every row is done or M is reached."""
+def decode(model, state: SlotState, *, steps: int, plan: Plan) -> tuple[SlotState, Tokens]:
+    """Up to `steps` decode steps on device; stops early once no row is active.
+
+    Returns:
+      (state, Tokens [B, steps]: each row's new tokens and the chunk's counters).
+    """
     TRACES["decode"] += 1
-    end = jnp.minimum(state.step + steps, plan.max_new)
+    cc = plan.compression
+    b = state.active.shape[0]
+    data = 1
+    if plan.rules is not None and plan.rules.batch is not None:
+        data = dict(jax.sharding.get_abstract_mesh().shape)[plan.rules.batch]
+    lanes = plan.lanes * data if cc.compressing else 0
+    cfg = model.cfg
+    kept_shape = (steps, lanes, cfg.num_layers, cfg.kv_heads, cc.budget)
+    if not (plan.record_kept and cc.compressing):
+        kept_shape = (steps, 0, 0, 0, 0)
+    out = _constrain_tokens(_empty_tokens(b, steps, cfg.vocab_size, lanes, kept_shape, plan), plan)
+    num0 = state.num
 
-    def cond(s: DecodeState) -> Any:
-        return (s.step < end) & ~jnp.all(s.done)
+    def cond(carry) -> Any:
+        s, _, i = carry
+        return (i < steps) & jnp.any(s.active)
 
-    state = jax.lax.while_loop(cond, lambda s: _decode_step(model, s, plan), state)
-    return _constrain(state, plan.rules)
+    def body(carry):
+        s, o, i = carry
+        s, o = _decode_step(model, s, o, i, num0, plan)
+        return s, o, i + 1
+
+    state, out, _ = jax.lax.while_loop(cond, body, (state, out, jnp.zeros((), jnp.int32)))
+    out = dataclasses.replace(
+        out,
+        active=state.active,
+        compressions=state.compressions,
+        peak=state.peak,
+        stalls=state.stalls,
+    )
+    return _constrain_state(state, plan.rules), _constrain_tokens(out, plan)
+
+
+def _constrain_tokens(o: Tokens, plan: Plan) -> Tokens:
+    """Output buffers split like the rows they hold (lanes follow their data shard, kept
+    positions their KV head)."""
+    rules = plan.rules
+    if rules is None:
+        return o
+    names = (*_ROW_OUT, "active", "compressions", "peak", "stalls")
+    fields = {name: _rows(getattr(o, name), rules) for name in names}
+    kept_rows = sharding.constrain(o.kept_rows, rules, None, "batch")
+    kept = o.kept
+    if kept.shape[1]:  # [T, D * lanes, L, K, budget]
+        kept = sharding.constrain(kept, rules, None, "batch", None, "kv_heads", None)
+    return dataclasses.replace(o, **fields, kept_rows=kept_rows, kept=kept)

@@ -32,7 +32,7 @@ def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int) -> jax.Array
         lam=cc.lam,
         threshold=cc.threshold,
         retain=cc.retain,
-        impl=cc.kernels,
+        impl=cc.pallas,
     )
     return kv.valid_first(idx, slot_pos)
 
@@ -104,74 +104,88 @@ def prefill_cache(
     return cache, kept < lengths
 
 
-def maybe_compress(
-    cache: kv.KVCache,
-    cc: CompressionConfig,
-    thinking: jax.Array,
-    rules: sharding.ShardingRules | None = None,
-    *,
-    active: jax.Array | None = None,
-) -> tuple[kv.KVCache, jax.Array]:
-    """Compresses the rows whose cache is full, before the append that would overflow.
+def lane_count(slots: int, cc: CompressionConfig, data_shards: int = 1) -> int:
+    """Default compression lanes per data shard: about twice the full rows expected per step.
 
-    A row is full at `budget + buffer` slots while it is thinking; in think-only mode a row that
-    has finished thinking is compressed only when it reaches the whole capacity (its answer
-    would otherwise overflow). The compression itself runs under `lax.cond`, so steps without a
-    full row cost one comparison; when it runs, rows that are not full are left as they are.
+    A row fills once per `buffer` appends, so `slots / buffer` rows are full per step on
+    average; rows admitted together (or prompts of one length) fill together, and a full row
+    that finds no lane waits a step, so the default leaves room for bursts."""
+    rows = max(1, slots // max(1, data_shards))
+    return max(1, min(rows, -(-2 * rows // cc.buffer)))
+
+
+def full_rows(cache: kv.KVCache, cc: CompressionConfig, thinking, active) -> jax.Array:
+    """[B] bool: active rows that must compress before their next append.
+
+    A thinking row is full at `budget + buffer` slots; in think-only mode a row that has
+    finished thinking is compressed only when its answer fills the whole capacity."""
+    limit = jnp.where(thinking, cc.trigger, cache.capacity)  # [B]
+    return active & (cache.length >= limit)
+
+
+def compress_lanes(
+    cache: kv.KVCache,
+    full: jax.Array,
+    cc: CompressionConfig,
+    *,
+    lanes: int,
+    start: jax.Array,
+    rules: sharding.ShardingRules | None = None,
+) -> tuple[kv.KVCache, jax.Array, jax.Array, jax.Array]:
+    """Compresses up to `lanes` of the full rows (per data shard) back to `budget` slots.
+
+    The chosen rows are gathered into a [lanes]-row block, selected and compacted there, and
+    scattered back: the work is `lanes` rows whatever the batch, and nothing runs when no row
+    is full (`lax.cond`). Rows are taken round-robin from `start`, so a row left waiting for a
+    lane is served within a few steps. A full row that got no lane must not append this step
+    (the caller skips its decode step), so every row still compresses at exactly the fill level
+    the reference compresses at.
 
     Args:
       cache: the cache.
-      cc: compression settings (static); FullKV never compresses.
-      thinking: [B] bool, rows still compressing at the normal trigger.
+      full: [B] bool rows to compress (`full_rows`).
+      cc: compression settings (static).
+      lanes: rows compressed at most per step and data shard (static).
+      start: [] int32 the row that has priority this step (e.g. the global step counter).
       rules: sharding rules when running on a mesh (None: one device).
-      active: [B] bool, rows still generating (None: all); finished rows never compress, so
-        their stats and kept-position logs stay those of the row alone.
 
     Returns:
-      (cache, fired [B] bool: rows compressed this step).
+      (cache, fired [B] bool rows compressed, lane_rows [D * lanes] int32 the row each lane
+      compressed (B = none), kept [D * lanes, L, K, budget] int32 the positions each lane's
+      row kept per layer and KV head).
     """
-    if not cc.compressing:
-        return cache, jnp.zeros(cache.length.shape, bool)
-    limit = jnp.where(thinking, cc.trigger, cache.capacity)  # [B]
-    full = cache.length >= limit  # [B]
-    if active is not None:
-        full = full & active
-    cache = jax.lax.cond(
-        jnp.any(full), lambda c: _compress_rows(c, full, cc, rules), lambda c: c, cache
-    )
-    return cache, full
+    budget, n = cc.budget, len(cache.k)
 
+    def body(ks, vs, sps, qs, full, length, start):  # on a mesh: one device's block
+        b = full.shape[0]
+        offset = 0 if rules is None or rules.batch is None else jax.lax.axis_index(rules.batch) * b
+        order = (jnp.arange(b) + start % b) % b  # [B] rows in priority order
+        pick = jnp.nonzero(full[order], size=lanes, fill_value=b)[0]  # [lanes]
+        rows = jnp.where(pick < b, order[jnp.minimum(pick, b - 1)], b)  # [lanes], b = no row
 
-def _compress_rows(
-    cache: kv.KVCache,
-    rows: jax.Array,
-    cc: CompressionConfig,
-    rules: sharding.ShardingRules | None = None,
-) -> kv.KVCache:
-    """Brings every row in `rows` [B] back to `budget` slots; other rows are unchanged."""
-    budget, c, n = cc.budget, cache.capacity, len(cache.k)
+        def run(args):
+            ks, vs, sps, length = args
+            picked = [tuple(x[jnp.minimum(rows, b - 1)] for x in xs) for xs in (ks, vs, sps, qs)]
+            at = jnp.minimum(rows, b - 1)
+            new_k, new_v, new_sp, kept = _compress_block(*picked, length[at], cc, cache.dtype)
 
-    def body(ks_in, vs_in, sps_in, qs_in, rows, length):  # on a mesh: one device's block
-        ks, vs, sps = [], [], []
-        # select() reads the last W slots as the observation window. A row compressed below
-        # the capacity (think-only: trigger < capacity) holds its newest tokens at
-        # [length - W, length): rotate it to end at slot C - 1 first (empty slots go first).
-        roll = (jnp.arange(c)[None, :] + length[:, None]) % c if c > cc.trigger else None
-        for k, v, sp, q in zip(ks_in, vs_in, sps_in, qs_in, strict=True):
-            rk, rv, rsp = k, v, sp
-            if roll is not None:
-                rk, rv, rsp = kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
-            keys = layers.from_storage(rk, cache.dtype)
-            idx = _select(cc, q, keys, rsp, budget)  # [B, K, budget]
-            gk, gv, gsp = kv.gather_slots(rk, rv, rsp, idx)
-            on = rows[:, None, None]  # [B, 1, 1]
-            ks.append(jnp.where(on[..., None], kv.pad_slots(gk, c), k))
-            vs.append(jnp.where(on[..., None], kv.pad_slots(gv, c), v))
-            sps.append(jnp.where(on, kv.pad_slots(gsp, c, -1), sp))
-        # [B], equal for all (L, K): so each device's own first head gives every device the
-        # same count, and `length` stays replicated over the model axis without a collective.
-        kept = jnp.sum(sps[0][:, 0] >= 0, axis=-1).astype(jnp.int32)
-        return tuple(ks), tuple(vs), tuple(sps), jnp.where(rows, kept, length)
+            def put(x, new):
+                return x.at[rows].set(new, mode="drop")
+
+            return (
+                tuple(map(put, ks, new_k)),
+                tuple(map(put, vs, new_v)),
+                tuple(map(put, sps, new_sp)),
+                length.at[rows].set(kept, mode="drop"),
+            )
+
+        ks, vs, sps, length = jax.lax.cond(
+            jnp.any(full), run, lambda args: args, (ks, vs, sps, length)
+        )
+        fired = jnp.zeros((b,), bool).at[rows].set(True, mode="drop")
+        log = jnp.stack([sp[jnp.minimum(rows, b - 1), :, :budget] for sp in sps], axis=1)
+        lane_rows = jnp.where(rows < b, rows + offset, jnp.iinfo(jnp.int32).max)
+        return ks, vs, sps, length, fired, lane_rows.astype(jnp.int32), log
 
     run = sharding.local(
         body,
@@ -183,8 +197,54 @@ def _compress_rows(
             (kv.QWIN_AXES,) * n,
             kv.ROW_AXES,
             kv.ROW_AXES,
+            (),
         ),
-        ((kv.KV_AXES,) * n, (kv.KV_AXES,) * n, (kv.SLOT_AXES,) * n, kv.ROW_AXES),
+        (
+            (kv.KV_AXES,) * n,
+            (kv.KV_AXES,) * n,
+            (kv.SLOT_AXES,) * n,
+            kv.ROW_AXES,
+            kv.ROW_AXES,
+            kv.ROW_AXES,
+            ("batch", None, "kv_heads", None),
+        ),
     )
-    ks, vs, sps, length = run(cache.k, cache.v, cache.slot_pos, cache.q_win, rows, cache.length)
-    return dataclasses.replace(cache, k=ks, v=vs, slot_pos=sps, length=length)
+    ks, vs, sps, length, fired, lane_rows, log = run(
+        cache.k, cache.v, cache.slot_pos, cache.q_win, full, cache.length, start
+    )
+    cache = dataclasses.replace(cache, k=ks, v=vs, slot_pos=sps, length=length)
+    return cache, fired, lane_rows, log
+
+
+def _compress_block(ks, vs, sps, qs, length, cc: CompressionConfig, dtype):
+    """Brings every row of a block back to `budget` slots.
+
+    Args:
+      ks, vs: L x [R, K, C, H] the rows' keys and values (storage dtype).
+      sps: L x [R, K, C] their slot positions.
+      qs: L x [R, N, W, H] their observation queries.
+      length: [R] int32 occupied slots.
+      cc: compression settings (static).
+      dtype: the keys' dtype (static; the cache stores bfloat16 as uint16).
+
+    Returns:
+      (ks, vs, sps) compacted, each row's kept tokens first in position order, and the new
+      length [R] (equal for every layer and KV head).
+    """
+    c = ks[0].shape[2]
+    out_k, out_v, out_sp = [], [], []
+    # select() reads the last W slots as the observation window. A row compressed below the
+    # capacity (think-only: trigger < capacity) holds its newest tokens at
+    # [length - W, length): rotate it to end at slot C - 1 first (empty slots go first).
+    roll = (jnp.arange(c)[None, :] + length[:, None]) % c if c > cc.trigger else None
+    for k, v, sp, q in zip(ks, vs, sps, qs, strict=True):
+        if roll is not None:
+            k, v, sp = kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
+        keys = layers.from_storage(k, dtype)
+        idx = _select(cc, q, keys, sp, cc.budget)  # [R, K, budget]
+        gk, gv, gsp = kv.gather_slots(k, v, sp, idx)
+        out_k.append(kv.pad_slots(gk, c))
+        out_v.append(kv.pad_slots(gv, c))
+        out_sp.append(kv.pad_slots(gsp, c, -1))
+    kept = jnp.sum(out_sp[0][:, 0] >= 0, axis=-1).astype(jnp.int32)  # [R]
+    return tuple(out_k), tuple(out_v), tuple(out_sp), kept

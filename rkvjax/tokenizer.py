@@ -26,6 +26,23 @@ _SPECIAL_NAMES = (
 )
 # transformers passes a message's reasoning under all of these; templates read different ones.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Where transformers 5 saves chat templates: one file, and a folder of named ones.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "chat_templates"
+# Every file `Tokenizer.from_dir` reads (besides CHAT_TEMPLATE_DIR): a copy of a model folder
+# that keeps these keeps its tokenizer, chat template and stop tokens.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "config.json",
+    CHAT_TEMPLATE_FILE,
+)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be read."""
 
 
 class Tokenizer:
@@ -83,7 +100,7 @@ class Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             return None
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        backend = _read_backend(path / "tokenizer.json")
         tk_config = _read_json(path / "tokenizer_config.json")
         special = {k: _token_content(tk_config.get(k)) for k in _SPECIAL_NAMES}
         legacy_map = path / "special_tokens_map.json"
@@ -223,13 +240,32 @@ class Tokenizer:
         )
 
 
+def _read_backend(path: Path) -> tokenizers.Tokenizer:
+    """tokenizer.json's pipeline, or TokenizerError naming the file."""
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust reader raises a bare Exception for any bad file
+        raise TokenizerError(
+            f"{path}: not a readable tokenizers file ({e}); restore it from the model's original "
+            "folder"
+        ) from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` ({} when there is no such file), or TokenizerError naming it."""
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # invalid JSON, or bytes that are no UTF-8/16/32 text
+        raise TokenizerError(
+            f"{path}: not valid JSON ({e}); restore it from the model's original folder"
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+        raise TokenizerError(
+            f"{path}: expected a JSON object ({{...}}), found a {type(data).__name__}; restore "
+            "it from the model's original folder"
+        )
     return data
 
 
@@ -269,10 +305,10 @@ def _load_chat_template(path: Path, tk_config: dict[str, Any]) -> str | dict[str
     """chat_template.jinja and chat_templates/*.jinja win over tokenizer_config's `chat_template`
     (a string, or a list of {"name", "template"}), the order transformers 5 uses."""
     templates = {}
-    if (path / "chat_template.jinja").is_file():
-        templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    if (path / "chat_templates").is_dir():
-        for f in sorted((path / "chat_templates").glob("*.jinja")):
+    if (path / CHAT_TEMPLATE_FILE).is_file():
+        templates["default"] = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (path / CHAT_TEMPLATE_DIR).is_dir():
+        for f in sorted((path / CHAT_TEMPLATE_DIR).glob("*.jinja")):
             templates[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
     if templates:
         return templates["default"] if list(templates) == ["default"] else templates

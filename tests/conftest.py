@@ -5,6 +5,9 @@ import os
 # Before JAX initialises: CPU only, with 8 host devices for the sharding tests.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The command line keeps compiled programs on disk (`cli._enable_compile_cache`); in tests that
+# would write outside the test folders and switch the cache on for every later test.
+os.environ.setdefault("RKVJAX_COMPILE_CACHE", "0")
 
 import jax
 import pytest
@@ -19,6 +22,26 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The reference models are tiny: one thread avoids oversubscribing the 2-core CI machine, where
 # torch's thread pool contending with XLA's made them about 15x slower.
 torch.set_num_threads(1)
+
+
+def _memory_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops the compiled programs after a test module once the process holds many memory
+    mappings. XLA:CPU maps each kernel's code separately, about 1,300 mappings per engine
+    configuration here, and the suite compiles enough configurations to pass the kernel's limit
+    of 65,530 mappings, where compilation fails and the process crashes. Below the threshold
+    the programs stay cached, so later modules reuse what earlier ones compiled."""
+    yield
+    if _memory_mappings() > 30_000:
+        jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -171,3 +171,174 @@ def test_default_model_round_trip(smol, tmp_path):
         np.testing.assert_array_equal(v, _params(smol)[k], err_msg=k)
     r = rkvjax.generate(model, "What is the capital of France?", max_new_tokens=12)
     assert "Paris" in r.text
+
+
+def _with_tokenizer(source, folder):
+    """The tiny model with a word-level tokenizer in the layout transformers 5 writes: the chat
+    template in chat_template.jinja (none in tokenizer_config.json), named ones in
+    chat_templates/, plus a legacy special_tokens_map.json and chat_template.json."""
+    from tests.test_tokenizer import _write_folder
+
+    shutil.copytree(source, folder)
+    config = json.loads((source / "config.json").read_text())
+    return _write_folder(
+        folder,
+        config=config,
+        files={
+            "chat_template.jinja": "{% for m in messages %}{{ m.role }} {{ m.content }} "
+            "{% endfor %}{% if add_generation_prompt %}assistant{% endif %}",
+            "chat_templates/tool_use.jinja": "{{ bos_token }} hello {{ messages[0].content }}",
+            "special_tokens_map.json": json.dumps({"eos_token": "world", "pad_token": "<pad>"}),
+            "chat_template.json": json.dumps({"chat_template": "{{ messages[0].content }}"}),
+        },
+    )
+
+
+def test_convert_keeps_tokenizer_and_chat_templates(source, tmp_path):
+    from rkvjax.tokenizer import Tokenizer
+
+    src = _with_tokenizer(source, tmp_path / "src")
+    out = checkpoint.convert(src, tmp_path / "out", dtype="float32")
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "chat_templates/tool_use.jinja",
+    )
+    for name in names:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    want, got = Tokenizer.from_dir(src), Tokenizer.from_dir(out)
+    chat = [{"role": "user", "content": "hello world"}]
+    assert got.chat_ids(chat) == want.chat_ids(chat) == [6, 4, 5, 7]
+    tools = [{"name": "f"}]
+    assert got.apply_chat_template(chat, tools=tools) == want.apply_chat_template(chat, tools=tools)
+    assert got.eos_token_ids == want.eos_token_ids == (5, 2)  # special_tokens_map's, config's
+    assert got.pad_token_id == want.pad_token_id == 3
+    gen = dict(max_new_tokens=6, ignore_eos=True)
+    a = rkvjax.generate(rkvjax.load(out), "hello world", **gen)
+    b = rkvjax.generate(rkvjax.load(src, dtype="float32"), "hello world", **gen)
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.slow
+def test_default_model_chat_survives_conversion(smol_dir, tmp_path):
+    """The default model with its tokenizer saved by transformers 5 (the chat template in
+    chat_template.jinja): converted, it renders the chat and answers exactly as before."""
+    from transformers import AutoTokenizer
+
+    from rkvjax.tokenizer import Tokenizer
+
+    src = tmp_path / "smol"
+    src.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy2(smol_dir / name, src / name)
+    AutoTokenizer.from_pretrained(smol_dir).save_pretrained(src)
+    assert (src / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((src / "tokenizer_config.json").read_text())
+    out = checkpoint.convert(src, tmp_path / "converted", dtype="float32")
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = Tokenizer.from_dir(src).chat_ids(chat)
+    assert (
+        Tokenizer.from_dir(out).chat_ids(chat) == ids == Tokenizer.from_dir(smol_dir).chat_ids(chat)
+    )
+    prompt = chat[0]["content"]
+    want = rkvjax.generate(rkvjax.load(src, dtype="float32"), prompt, max_new_tokens=8)
+    got = rkvjax.generate(rkvjax.load(out), prompt, max_new_tokens=8)
+    assert got.token_ids == want.token_ids and got.text == want.text
+
+
+# --overwrite replaces only what `rkvjax convert` wrote; these are refused before any load.
+
+
+@pytest.fixture()
+def no_load(monkeypatch):
+    """Makes loading a model fail the test: a refused output must be refused first."""
+    from rkvjax import api
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr(api, "load", load)
+    monkeypatch.setenv("RKVJAX_COMPILE_CACHE", "0")
+
+
+def _tree(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_overwrite_never_deletes_the_source(source, tmp_path, no_load, capsys):
+    parent = tmp_path / "models"
+    src = parent / "tiny"
+    shutil.copytree(source, src)
+    before = _tree(parent)
+    cases = [
+        (parent, "contains the source"),
+        (src, "is the source"),
+        (src / "converted", "lies inside the source"),
+    ]
+    for out, match in cases:
+        with pytest.raises(checkpoint.CheckpointError, match=match):
+            checkpoint.convert(src, out, overwrite=True)
+        assert cli.main(["convert", str(src), str(out), "--overwrite"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and match in lines[0], lines
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    with pytest.raises(checkpoint.CheckpointError, match="is the source"):
+        checkpoint.convert(src, link, overwrite=True)
+    assert _tree(parent) == before
+
+
+def test_overwrite_replaces_only_converted_or_empty_folders(source, tmp_path, no_load, capsys):
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "notes" / "todo.txt").write_text("keep me")
+    file = tmp_path / "file.txt"
+    file.write_text("keep me too")
+    for out in (mine, file):
+        with pytest.raises(FileExistsError, match="not a folder written by `rkvjax convert`"):
+            checkpoint.convert(source, out, overwrite=True)
+        assert cli.main(["convert", str(source), str(out), "--overwrite"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and checkpoint.MARKER in lines[0], lines
+    assert (mine / "notes" / "todo.txt").read_text() == "keep me"
+    assert file.read_text() == "keep me too"
+
+
+def test_overwrite_refuses_the_home_folder(source, tmp_path, monkeypatch, no_load, capsys):
+    home = tmp_path / "home"
+    (home / "Documents").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    assert cli.main(["convert", str(source), "~", "--overwrite"]) == 2
+    assert "not a folder written by `rkvjax convert`" in capsys.readouterr().err
+    src = home / "tiny"  # a source in the home folder: the output contains it
+    shutil.copytree(source, src)
+    assert cli.main(["convert", str(src), "~", "--overwrite"]) == 2
+    assert "contains the source" in capsys.readouterr().err
+    assert sorted(p.name for p in home.iterdir()) == ["Documents", "tiny"]
+
+
+def test_overwrite_protects_gguf_and_default_model_sources(tmp_path, monkeypatch, no_load):
+    from tests.test_gguf import write_tiny_gguf
+
+    (tmp_path / "models").mkdir()
+    gguf = write_tiny_gguf(tmp_path / "models" / "tiny.gguf")
+    home = tmp_path / "rkvjax_home"
+    monkeypatch.setenv("RKVJAX_HOME", str(home))
+    with pytest.raises(checkpoint.CheckpointError, match="contains the source"):
+        checkpoint.convert(gguf, gguf.parent, overwrite=True)
+    with pytest.raises(checkpoint.CheckpointError, match="contains the source"):
+        checkpoint.convert(gguf, home, overwrite=True)  # holds its converted cache
+    with pytest.raises(checkpoint.CheckpointError, match="contains the source"):
+        checkpoint.convert(None, home / "models", overwrite=True)
+    assert not home.exists()  # nothing was converted
+    assert gguf.is_file()
+
+
+def test_overwrite_replaces_an_empty_folder(source, tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert checkpoint.convert(source, out, dtype="float32", overwrite=True) == out
+    assert checkpoint.is_converted(out)

@@ -12,7 +12,7 @@ import rkvjax
 from rkvjax import cache as kv
 from rkvjax import engine
 from rkvjax.config import CompressionConfig
-from rkvjax.sampling import SamplingConfig
+from rkvjax.sampling import SamplingParams, SlotSampling
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
 
@@ -48,22 +48,15 @@ def test_cached_decode_equals_full_forward(tiny_checkpoint, dtype):
     for r, row in enumerate(rows):
         tokens[r, p - len(row) :] = row
         pos[r, p - len(row) :] = np.arange(len(row))
-    plan = engine.DecodePlan(
-        sampling=SamplingConfig(),
-        compression=CompressionConfig(),
-        stop_ids=(),
-        capacity=p + 20,
-        max_new=1,
-    )
-    given = jnp.zeros((2, 1), jnp.int32)
-    state = engine.prefill(
-        model.decoder, jnp.asarray(tokens), jnp.asarray(pos), given, jax.random.key(0), plan=plan
+    plan = engine.Plan(compression=CompressionConfig())
+    group = engine.prefill(
+        model.decoder, jnp.asarray(tokens), jnp.asarray(pos), capacity=p + 20, plan=plan
     )
     full = [
         np.asarray(rkvjax.logits(model, [row + follow[r].tolist()]))[0]
         for r, row in enumerate(rows)
     ]
-    c = state.cache
+    c = group.cache
     for t in range(follow.shape[1]):
         step_logits, c = _decode_logits(model.decoder, c, jnp.asarray(follow[:, t]))
         for r, row in enumerate(rows):
@@ -75,9 +68,14 @@ def test_cached_decode_equals_full_forward(tiny_checkpoint, dtype):
 
 
 def _top_level_ops(hlo: str) -> list[tuple[str, int, str]]:
-    """(opcode, element count, element type) of every instruction outside fusion bodies in
-    optimized HLO."""
+    """(opcode, element count, element type) of every instruction outside fusion bodies and
+    conditional branches in optimized HLO. Weights are read outside conditionals (only the
+    sampler's filters and compressions run under `lax.cond`), and the sampler's own temporaries
+    may share a weight's element count."""
     fused = set(re.findall(r"calls=(%[\w.-]+)", hlo))
+    for branches in re.findall(r"branch_computations=\{([^}]*)\}", hlo):
+        fused |= {b.strip() for b in branches.split(",")}
+    fused |= set(re.findall(r"(?:true|false)_computation=(%[\w.-]+)", hlo))
     ops, inside_fusion = [], False
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?(%[\w.-]+) ", line)
@@ -90,19 +88,30 @@ def _top_level_ops(hlo: str) -> list[tuple[str, int, str]]:
     return ops
 
 
-def _compiled_decode(decoder, batch: int, capacity: int) -> str:
-    """The optimized HLO of a 4-step decode call after a 5-token prefill of `batch` rows."""
-    plan = engine.DecodePlan(
-        sampling=SamplingConfig(),
-        compression=CompressionConfig(),
-        stop_ids=(),
-        capacity=capacity,
-        max_new=8,
+def _admitted(decoder, batch: int, capacity: int, plan: engine.Plan) -> engine.SlotState:
+    """A runtime state whose `batch` slots each hold a 5-token prompt (8 tokens to make)."""
+    state = engine.init_state(
+        decoder, slots=batch, capacity=capacity, stop_width=1, given_len=0, plan=plan
     )
     tokens = jnp.asarray(_prompts([5] * batch), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (batch, 5))
-    given = jnp.zeros((batch, 8), jnp.int32)
-    state = engine.prefill(decoder, tokens, pos, given, jax.random.key(0), plan=plan)
+    group = engine.prefill(decoder, tokens, pos, capacity=capacity, plan=plan)
+    none = jnp.full((batch, 1), -1, jnp.int32)
+    new = engine.NewRows(
+        max_tokens=jnp.full((batch,), 8, jnp.int32),
+        stop_ids=none,
+        block_ids=none,
+        sampling=SlotSampling.from_params([SamplingParams(temperature=0.0)] * batch),
+        given=jnp.zeros((batch, 0), jnp.int32),
+    )
+    rows = jnp.arange(batch, dtype=jnp.int32)
+    return engine.insert(state, group, rows, rows, new, plan=plan)[0]
+
+
+def _compiled_decode(decoder, batch: int, capacity: int) -> str:
+    """The optimized HLO of a 4-step decode call after a 5-token prefill of `batch` rows."""
+    plan = engine.Plan(compression=CompressionConfig())
+    state = _admitted(decoder, batch, capacity, plan)
     return engine.decode.lower(decoder, state, steps=4, plan=plan).compile().as_text()
 
 
@@ -163,8 +172,7 @@ def test_decode_compiles_once_across_chunks(model):
     engine.TRACES.clear()
     rkvjax.generate(model, _prompts([7, 7]), max_new_tokens=200, ignore_eos=True)  # 4 chunks
     rkvjax.generate(model, _prompts([6, 5], seed=1), max_new_tokens=200, ignore_eos=True)
-    assert engine.TRACES["decode"] == 1
-    assert engine.TRACES["prefill"] == 1
+    assert engine.TRACES == {"init_state": 1, "prefill": 1, "insert": 1, "decode": 1}
 
 
 def test_stop_token_ends_row_and_others_continue(model):
@@ -195,14 +203,18 @@ def test_sampling_is_seeded_and_filters_apply(model):
 
 
 def test_top_k_restricts_support():
-    from rkvjax.sampling import sample
+    from rkvjax.sampling import sample_rows, token_keys
 
     logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.3, 0.4]] * 2000))
-    draws = np.asarray(sample(logits, jax.random.key(0), SamplingConfig(temperature=1.0, top_k=2)))
-    assert set(draws.tolist()) == {2, 3}
-    draws = np.asarray(
-        sample(logits, jax.random.key(0), SamplingConfig(temperature=1.0, top_p=0.5))
-    )
+    n = logits.shape[0]
+    keys = token_keys(jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.int32), jnp.arange(n))
+
+    def draws(**kw):
+        rows = SlotSampling.from_params([SamplingParams(temperature=1.0, seed=0, **kw)] * n)
+        return np.asarray(sample_rows(logits, rows, keys))
+
+    assert set(draws(top_k=2).tolist()) == {2, 3}
+    draws = draws(top_p=0.5)
     # Nucleus 0.5 over (0.4, 0.3, ...): 0.4 alone is below 0.5, so {3, 2} remain.
     assert set(draws.tolist()) == {2, 3}
     freq = np.mean(draws == 3)

@@ -1,6 +1,7 @@
 """Bad checkpoints and bad arguments fail early with errors that say what is wrong."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -10,6 +11,7 @@ from rkvjax.convert.hf_safetensors import CheckpointError
 from safetensors.numpy import load_file, save_file
 
 import rkvjax
+from rkvjax import cli
 
 
 @pytest.fixture()
@@ -145,7 +147,7 @@ def test_bad_generate_arguments(model, kwargs, match):
         ([[1, 2], []], "prompt 1 is empty"),
         ([5, 97], r"token id\(s\) \[97\] outside the vocabulary"),
         ("hello", "no tokenizer.json"),
-        ([1.5, 2.0], "expected a str or a list of token ids"),
+        ([1.5, 2.0], "expected a str, a list of token ids or a chat"),
     ],
 )
 def test_bad_prompts(model, prompts, match):
@@ -160,3 +162,150 @@ def test_bad_logits_and_load_arguments(model, folder):
         rkvjax.logits(model, [1, 500])
     with pytest.raises(ValueError, match="dtype must be one of"):
         rkvjax.load(folder, dtype="float16")
+
+
+_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+}
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_rope_scaling_next_to_rope_parameters_is_not_ignored():
+    """A YaRN `rope_scaling` added beside transformers-5 `rope_parameters` (transformers 5 lets it
+    win) must not run plain RoPE."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    params = {"rope_type": "default", "rope_theta": 1e4}
+    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type.*rope_scaling\.rope_type"):
+        parse_hf_config({**_LLAMA, "rope_parameters": params, "rope_scaling": yarn})
+    untyped = {"rope_theta": 1e4}
+    with pytest.raises(ConfigError, match=r"rope_scaling\.rope_type` = 'yarn' is not supported"):
+        parse_hf_config({**_LLAMA, "rope_parameters": untyped, "rope_scaling": yarn})
+
+
+def test_conflicting_rope_theta_names_both_keys(folder):
+    raw = {
+        **_LLAMA,
+        "rope_theta": 5e5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    with pytest.raises(
+        ConfigError, match=r"`rope_parameters\.rope_theta` = 10000\.0 and `rope_theta`"
+    ):
+        parse_hf_config(raw)
+    _edit_config(folder, rope_theta=123.0)  # next to the rope_parameters transformers wrote
+    with pytest.raises(
+        ConfigError, match=r"config\.json: `rope_parameters\.rope_theta`.*`rope_theta`"
+    ):
+        rkvjax.load(folder)
+
+
+def test_rope_keys_given_twice_and_consistent_are_accepted():
+    raw = {
+        **_LLAMA,
+        "rope_theta": 500000,
+        "rope_parameters": {**_LLAMA3_SCALING, "rope_theta": 5e5},
+        "rope_scaling": dict(_LLAMA3_SCALING),
+    }
+    cfg = parse_hf_config(raw)
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling.factor == 8.0
+    legacy = {**_LLAMA, "rope_theta": 5e5, "rope_scaling": {"type": "default"}}
+    assert parse_hf_config(legacy).rope_scaling is None
+
+
+def _add_tokenizer(folder):
+    """A word-level tokenizer.json and tokenizer_config.json beside the tiny model."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    words = ["<unk>", "<s>", "</s>", "hi"]
+    Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")).save(
+        str(folder / "tokenizer.json")
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+# (file, how it is broken, what the message must say besides the file's name)
+_BROKEN = {
+    "truncated_weights": ("model.safetensors", lambda p: _truncate(p), "truncated"),
+    "weights_header_cut": ("model.safetensors", lambda p: _truncate(p, 0.0001), "truncated"),
+    "config_not_json": ("config.json", lambda p: p.write_text('{"model_type": "llama",'), "JSON"),
+    "config_a_list": ("config.json", lambda p: p.write_text("[1, 2]"), "JSON object"),
+    "config_binary": ("config.json", lambda p: p.write_bytes(b"\xff\xfe\x00\xd8"), "JSON"),
+    "tokenizer_config_not_json": (
+        "tokenizer_config.json",
+        lambda p: p.write_text("{'a': 1}"),
+        "JSON",
+    ),
+    "tokenizer_config_a_string": ("tokenizer_config.json", lambda p: p.write_text('"x"'), "object"),
+    "special_tokens_map_not_json": ("special_tokens_map.json", lambda p: p.write_text("{"), "JSON"),
+    "tokenizer_json_garbage": ("tokenizer.json", lambda p: p.write_text("[1]"), "tokenizers"),
+    "generation_config_not_json": ("generation_config.json", lambda p: p.write_text("}"), "JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BROKEN))
+def test_broken_file_gives_one_line_naming_it(folder, case, capsys, monkeypatch):
+    monkeypatch.setenv("RKVJAX_COMPILE_CACHE", "0")
+    name, breakage, match = _BROKEN[case]
+    _add_tokenizer(folder)
+    breakage(folder / name)
+    with pytest.raises(ValueError, match=match) as err:
+        rkvjax.load(folder)
+    assert str(folder / name) in str(err.value)
+    argv = ["generate", "hi", "--model", str(folder), "--max-new-tokens", "1"]
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rkvjax: error: "), lines
+    assert str(folder / name) in lines[0]
+
+
+def test_broken_index_file_names_it(folder):
+    index = folder / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=re.escape(f"{index}: not valid JSON")):
+        rkvjax.load(folder)
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "missing.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{index}: lists missing.safetensors")):
+        rkvjax.load(folder)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(seed="x"), "seed must be an int"),
+        (dict(seed=1.5), "seed must be an int"),
+        (dict(stop_token_ids=[97]), r"stop_token_ids: token id 97 is outside the vocabulary"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids must be a list of ints"),
+        (dict(max_new_tokens=2.5), "max_new_tokens must be a positive int"),
+    ],
+)
+def test_bad_sampling_arguments_name_the_setting(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rkvjax.generate(model, [1, 2, 3], **kwargs)
+
+
+def test_numpy_token_ids_are_prompts(model):
+    """A 1-D integer array is one prompt, a 2-D one a batch, exactly like the lists."""
+    ids = np.array([5, 6, 7, 8], np.int64)
+    want = rkvjax.generate(model, ids.tolist(), max_new_tokens=3)
+    assert rkvjax.generate(model, ids, max_new_tokens=3).token_ids == want.token_ids
+    two = rkvjax.generate(model, np.stack([ids, ids + 1]), max_new_tokens=3)
+    assert len(two) == 2 and two[0].token_ids == want.token_ids
+    with pytest.raises(ValueError, match="1-D or 2-D integer token ids"):
+        rkvjax.generate(model, np.zeros((2, 2), np.float32), max_new_tokens=3)

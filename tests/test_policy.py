@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import api, engine, policy
 from rkvjax import cache as kv
 from rkvjax import compression as C
-from rkvjax.config import CompressionConfig
+from rkvjax import engine, policy
+from rkvjax.config import CompressionConfig, compression_config
 from rkvjax.layers import as_storage
-from rkvjax.sampling import SamplingConfig
 from tests.hf_tiny import VOCAB
 from tests.reference import rkv_numpy as ref
 
@@ -349,20 +348,11 @@ def long_runs(llama):
 
 
 def _cache_shapes(model, ids, cc, max_new):
-    """Shapes and dtypes of the prefill state's cache leaves for this generation (traced only)."""
-    plan, tokens, positions = api._plan(
-        model, ids, cc, max_new, sampling=SamplingConfig(), stop_ids=()
-    )
-    given = jnp.zeros((len(ids), max_new), jnp.int32)
-    state = jax.eval_shape(
-        functools.partial(engine.prefill, plan=plan),
-        model.decoder,
-        jnp.asarray(tokens),
-        jnp.asarray(positions),
-        given,
-        jax.random.key(0),
-    )
-    return plan.capacity, jax.tree.map(lambda x: (x.shape, x.dtype), state.cache)
+    """Capacity, and shapes and dtypes of the cache leaves, of a runtime for this generation
+    (traced only)."""
+    max_len = 16 + max_new - 1  # the prompt bucket + every new token but the last
+    eng = rkvjax.Engine(model, slots=len(ids), cache=cc, max_len=max_len)
+    return eng.capacity, jax.tree.map(lambda x: (x.shape, x.dtype), eng.state_shapes().cache)
 
 
 def test_memory_is_flat_in_generation_length(llama, ragged, long_runs):
@@ -376,9 +366,7 @@ def test_memory_is_flat_in_generation_length(llama, ragged, long_runs):
     shapes = {}
     for method in ("rkv", "full"):
         for m in (50, 300):
-            cc = api.compression_config(
-                method, BUDGET, prompt_len=14, max_new_tokens=m, buffer=BUFFER
-            )
+            cc = compression_config(method, BUDGET, prompt_len=14, max_new_tokens=m, buffer=BUFFER)
             shapes[method, m] = _cache_shapes(llama, ids, cc, m)
     assert shapes["rkv", 50] == shapes["rkv", 300]
     assert shapes["rkv", 50][0] == TRIGGER
@@ -392,7 +380,7 @@ def test_long_run_compiles_once(long_runs):
     batch of the same bucket adds no trace (compression is a `lax.cond`, not a recompile)."""
     first, second, traced_first, traced_second = long_runs
     assert min(res.stats.compressions for res in first) >= 30
-    assert traced_first == collections.Counter(prefill=1, decode=1)
+    assert traced_first == collections.Counter(init_state=1, prefill=1, insert=1, decode=1)
     assert traced_second == collections.Counter()
     assert all(res.stats.generated_tokens == 300 for res in [*first, *second])
 
@@ -614,7 +602,11 @@ def test_bfloat16_compaction_moves_entries_exactly():
         dtype=jnp.bfloat16,
     )
     cc = CompressionConfig(method="rkv", budget=BUDGET, buffer=BUFFER, window=W)
-    out = jax.jit(lambda x: policy._compress_rows(x, jnp.array([True, False]), cc))(cache)
+    full = jnp.array([True, False])
+    out, fired, _, _ = jax.jit(
+        lambda x: policy.compress_lanes(x, full, cc, lanes=2, start=jnp.int32(0))
+    )(cache)
+    assert fired.tolist() == [True, False]
     assert out.k[0].dtype == jnp.uint16 and out.keys(0).dtype == jnp.bfloat16
     pos = np.asarray(out.slot_pos[0])  # [B, K, C], -1 at empty slots
     assert (pos[0] >= 0).sum(-1).tolist() == [BUDGET] * k

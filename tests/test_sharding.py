@@ -132,18 +132,24 @@ def test_compression_compiles_without_collectives():
     mesh, rules = sub_mesh(4, 2), sharding.DEFAULT_RULES
     cc = CompressionConfig(method="rkv", budget=16, buffer=8, window=8)
     cache = _random_cache(np.random.RandomState(0))
+    # data=4: each device holds one row, so one lane per shard compresses every full row.
     rows = jnp.array([True, False, True, True])
+    start = jnp.int32(0)
     with jax.set_mesh(mesh):
         sharded = jax.jit(lambda c: kv.constrain(c, rules))(cache)
         assert sharded.k[0].sharding.is_equivalent_to(rules.named(mesh, *kv.KV_AXES), 4)
-        local = jax.jit(lambda c, r: policy._compress_rows(c, r, cc, rules))
+        local = jax.jit(
+            lambda c, r: policy.compress_lanes(c, r, cc, lanes=1, start=start, rules=rules)
+        )
         local = local.lower(sharded, rows).compile()
-        auto = jax.jit(lambda c, r: policy._compress_rows(c, r, cc))  # no shard_map
+        # Without shard_map: the same rows, 4 lanes over the whole batch.
+        auto = jax.jit(lambda c, r: policy.compress_lanes(c, r, cc, lanes=4, start=start))
         auto = auto.lower(sharded, rows).compile()
         got, want = local(sharded, rows), auto(sharded, rows)
     assert not [op for op in COLLECTIVES if op in local.as_text()]
     assert [op for op in COLLECTIVES if op in auto.as_text()]  # the check can see collectives
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(rows))  # every full row fired
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -169,13 +175,16 @@ def _compiled_decode_on_mesh(model, monkeypatch) -> str:
 def test_decode_step_gathers_nothing(load_sharded, monkeypatch):
     """On a mesh, a compiled decode chunk's only collectives are tensor parallelism's all-reduces
     of the attention and MLP outputs ([D, B, 1] each) and scalar flags. The cache append once
-    all-gathered every layer's new keys, values and scatter indices on every step."""
+    all-gathered every layer's new keys, values and scatter indices on every step, and the
+    automatic partitioner gathered the rows for the sampler and the output buffers."""
     m = load_sharded(4, 2)
     hlo = _compiled_decode_on_mesh(m, monkeypatch)
     ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
     assert set(ops) == {"all-reduce"}, sorted(set(ops))
     shaped = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-reduce(?:-start)?\(", hlo)
-    assert len(shaped) == ops.count("all-reduce")  # none in a tuple the shapes below would miss
+    # The step's counters (busy, compressed and waiting rows) sum as one tuple of scalars.
+    scalars = re.findall(r"= \((?:\w+\[\], )*\w+\[\]\) all-reduce(?:-start)?\(", hlo)
+    assert len(shaped) + len(scalars) == ops.count("all-reduce")  # nothing the checks miss
     rows = 4 // 4  # per data shard: 3 prompts padded to 4 rows
     activation = f"{m.config.embed},{rows},1"
     assert {dims for _, dims in shaped} <= {activation, ""}
@@ -237,3 +246,15 @@ def test_cli_mesh(folder, capsys):
         with pytest.raises(SystemExit):
             cli._parser().parse_args(["generate", "hi", "--mesh", bad])
         assert "--mesh" in capsys.readouterr().err
+
+
+def test_plain_jax_mesh_is_accepted(folder, reference):
+    """`jax.make_mesh` gives Explicit axes in current JAX; `load` uses them as Auto axes, so the
+    plain idiom works (it failed inside the embedding gather with a ShardingTypeError)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+    model = rkvjax.load(folder, dtype="float32", mesh=mesh)
+    got = rkvjax.generate(model, PROMPTS, method="rkv", **GEN)
+    assert [r.token_ids for r in got] == [r.token_ids for r in reference("rkv")]
+    with pytest.raises(ValueError, match="mesh axes must be"):
+        rkvjax.load(folder, mesh=jax.make_mesh((8,), ("batch",), devices=jax.devices()[:8]))

@@ -1,0 +1,94 @@
+"""What a run returns: per-sample results and their stats, teacher-forced scores, run stats."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStats:
+    """Per-sample numbers; the fields marked "run" describe the whole run it was part of."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    method: str
+    budget: int | None
+    compressions: int  # the prompt's compression included
+    cache_capacity: int  # slots per (layer, KV head, row)
+    peak_cache_slots: int  # most slots this sample's row held at once
+    stalled_steps: int  # decode steps this sample waited for a compression lane
+    batch_size: int  # run: rows decoded together at most (slots in use)
+    time_to_first_token_s: float  # from submission to the first token, compilation excluded
+    decode_s: float  # run: wall time, compilation excluded
+    tokens_per_s: float  # run: generated tokens / decode_s
+    compile_s: float  # run: compilation during the run (0 once shapes have been seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """One sample of one prompt."""
+
+    text: str
+    token_ids: list[int]  # generated ids, the stop token included
+    finish_reason: str  # "stop" (stop token or string) or "length"
+    stats: GenerationStats
+    prompt_token_ids: list[int]
+    # With record_kept: [E, L, K, budget] int32 logical positions each compression kept per
+    # (layer, KV head), -1 for an empty slot; E = compressions run (the prompt's first).
+    kept_positions: np.ndarray | None = None
+    request_id: Any = None
+    sample_index: int = 0
+    # With logprobs=N: the log-probability of each generated token, and its N most likely
+    # alternatives as (token id, log-probability), most likely first.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stats"] = self.stats.to_dict()
+        if self.kept_positions is not None:
+            d["kept_positions"] = self.kept_positions.tolist()
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    """Teacher-forced log-probabilities of a continuation under a cache policy."""
+
+    logprobs: np.ndarray  # [T] log p(token_t | everything before, as the cache kept it)
+    top1: np.ndarray  # [T] int32 the model's argmax prediction at each step
+    dists: np.ndarray | None  # [T, V] log-probabilities at each step, with return_dists
+    compressions: int
+    peak_cache_slots: int
+    request_id: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStats:
+    """Counters of one runtime run (`Engine.stats`)."""
+
+    slots: int
+    lanes: int  # compression lanes per step and data shard
+    requests: int
+    samples: int
+    prefills: int  # prefill calls
+    prefill_rows: int  # prompts prefilled (a prompt's n samples share one)
+    prompt_tokens: int
+    generated_tokens: int
+    decode_steps: int
+    slot_occupancy: float  # busy row-steps / (slots x decode steps)
+    compressions: int  # decode-time compressions (prompt compressions excluded)
+    rows_compressed_per_step: float  # compressions / decode steps
+    stalled_row_steps: int  # row-steps spent waiting for a compression lane
+    wall_s: float
+    compile_s: float
+    tokens_per_s: float  # generated tokens / (wall_s - compile_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

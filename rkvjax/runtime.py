@@ -1,0 +1,773 @@
+"""The host side of the slot runtime: a request queue, admission into free slots, chunked
+decode, and results streaming out as requests finish.
+
+`Engine` owns one `engine.SlotState`: `slots` rows, each holding one sample of one request.
+Each round it dispatches the next decode chunk before it parses the last one (JAX dispatches
+asynchronously, so the device decodes while the host detokenizes, checks stop strings and
+prefills newcomers), then admits queued requests into the slots that freed up: one prefill per
+group of prompts (rows and length bucketed, so few shapes compile), whose rows an `insert`
+scatters into the free slots. A prompt's `n` samples share its prefill. Nothing recompiles when
+requests come and go, differ in settings, or compress.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rkvjax import engine, policy, requests, sharding
+from rkvjax.config import CompressionConfig
+from rkvjax.detokenize import StopWatcher, find_stop
+from rkvjax.loading import Model
+from rkvjax.requests import Request
+from rkvjax.results import GenerationResult, GenerationStats, RunStats, ScoreResult
+from rkvjax.sampling import SamplerConfig, SamplingParams, SlotSampling
+
+DEFAULT_CHUNK = 16  # decode steps per device call: a freed slot waits at most about two
+DEFAULT_STOP_WIDTH = 8  # stop token ids per row (eos included)
+
+
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    """Host-side record of one sample: its tokens so far and what the device reported."""
+
+    request: Request
+    index: int
+    submitted: float  # perf_counter at submission
+    compile_at_submit: float
+    watcher: StopWatcher | None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    top1: list[int] = dataclasses.field(default_factory=list)
+    dists: list[np.ndarray] = dataclasses.field(default_factory=list)
+    kept: list[np.ndarray] = dataclasses.field(default_factory=list)
+    compressions: int = 0
+    peak: int = 0
+    stalls: int = 0
+    ttft: float | None = None
+    reason: str | None = None  # set once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A queued request's samples not yet in a slot, and its prefill once it has one."""
+
+    samples: list[_Sample]
+    group: engine.Prefilled | None = None  # kept while some of its samples wait for slots
+    src: int = 0  # the request's row in `group`
+
+
+def _on_mesh(model: Model):
+    """The model's mesh as the context mesh (jit traces see it; shard_map runs over it)."""
+    return contextlib.nullcontext() if model.mesh is None else jax.set_mesh(model.mesh)
+
+
+def put_rows(model: Model, x) -> jax.Array:
+    """A host [B, ...] array on device: rows split over "data" on a mesh when they divide,
+    else replicated."""
+    x = np.asarray(x)
+    if model.mesh is None:
+        return jnp.asarray(x)
+    axes = ("batch",) if x.ndim and x.shape[0] % model.data_shards == 0 else (None,)
+    return sharding.host_array(x, model.rules.named(model.mesh, *axes, *[None] * (x.ndim - 1)))
+
+
+def _replicated(model: Model, tree):
+    """Host arrays placed whole on every device (small per-request values)."""
+    if model.mesh is None:
+        return jax.tree.map(jnp.asarray, tree)
+
+    def put(x):
+        x = np.asarray(x)
+        return sharding.host_array(x, model.rules.named(model.mesh, *[None] * x.ndim))
+
+    return jax.tree.map(put, tree)
+
+
+def _tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def _draw_seeds(count: int) -> list[int]:
+    """Fresh 32-bit seeds for requests without one; the same on every process of a run."""
+    seeds = np.array([secrets.randbits(32) for _ in range(count)], np.uint32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        seeds = np.asarray(multihost_utils.broadcast_one_to_all(seeds))
+    return [int(s) for s in seeds]
+
+
+class Engine:
+    """Continuous batching over a fixed number of slots.
+
+    Submit requests at any time; iterate `results()` (or call `run()`) to drive the device and
+    get each sample back as soon as it finishes.
+
+    Args:
+      model: from `rkvjax.load`.
+      slots: rows decoded together (on a mesh, rounded up to a multiple of the "data" axis).
+      cache: the KV-cache policy (`rkvjax.config.compression_config`); None is FullKV.
+      max_len: FullKV only: cache slots per row, at least prompt + max_tokens - 1 of every
+        request (compressing methods hold `budget + buffer` slots whatever the length).
+      chunk: decode steps per device call.
+      lanes: compressions per decode step (per data shard); default `policy.lane_count`.
+      logprobs: the most `SamplingParams.logprobs` any request may ask for (None: none).
+      penalties: allow repetition / presence / frequency penalties (keeps [slots, V] counts).
+      stop_width: stop token ids per row at most (the model's end-of-sequence ids included).
+      max_prefill_rows: prompts prefilled together at most.
+      record_kept: keep the positions every compression kept (`GenerationResult.kept_positions`).
+      teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
+      chat: wrap text prompts in the model's chat template (default: when it has one).
+      progress: a progress bar on stderr.
+      total: requests expected, for the progress bar's total (default: those submitted).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        slots: int,
+        cache: CompressionConfig | None = None,
+        max_len: int | None = None,
+        chunk: int = DEFAULT_CHUNK,
+        lanes: int | None = None,
+        logprobs: int | None = None,
+        penalties: bool = False,
+        stop_width: int = DEFAULT_STOP_WIDTH,
+        max_prefill_rows: int | None = None,
+        record_kept: bool = False,
+        teacher: bool = False,
+        keep_dists: bool = False,
+        given_len: int = 0,
+        chat: bool | None = None,
+        progress: bool = False,
+        total: int | None = None,
+    ):
+        for name, value, low in (
+            ("slots", slots, 1),
+            ("chunk", chunk, 1),
+            ("stop_width", stop_width, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        cc = cache if cache is not None else CompressionConfig()
+        if not isinstance(cc, CompressionConfig):
+            raise ValueError(f"cache must be a CompressionConfig, got {type(cc).__name__}")
+        data = model.data_shards
+        slots = -(-slots // data) * data
+        if cc.compressing:
+            capacity = cc.capacity
+        else:
+            if max_len is None:
+                raise ValueError("FullKV needs max_len (cache slots per row: prompt + max_tokens)")
+            capacity = int(max_len)
+        if lanes is None:
+            lanes = policy.lane_count(slots, cc, data)
+        self.model = model
+        self.slots = slots
+        self.capacity = capacity
+        self.chunk = chunk
+        self.compression = cc
+        self.plan = engine.Plan(
+            compression=cc,
+            lanes=lanes,
+            sampler=SamplerConfig(penalties=penalties, logprobs=logprobs),
+            teacher=teacher,
+            keep_dists=keep_dists,
+            record_kept=record_kept,
+            rules=model.rules,
+        )
+        self._stop_width = stop_width
+        self._given_len = given_len
+        self._max_prefill = min(slots, max_prefill_rows or slots)
+        self._chat = chat
+        self._progress = progress
+        self._total = total
+        self._bar = None
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._owner: list[_Sample | None] = [None] * slots
+        self._events: collections.deque = collections.deque()  # dispatched, not yet parsed
+        self._release: set[int] = set()
+        self._state: engine.SlotState | None = None
+        self._counters = collections.Counter()
+        self._t0: float | None = None
+        self._compile0 = 0.0
+        self._first_tokens_at: float | None = None
+        self._batch_peak = 0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: Any = None,
+        continuation: Sequence[int] | None = None,
+    ) -> Any:
+        """Queues a request; returns its id (default: a running number).
+
+        Args:
+          prompt: a str, token ids, or a chat (list of {"role", "content"} messages).
+          sampling: SamplingParams (default: greedy with the defaults' max_tokens).
+          request_id: any hashable id, reported back in the results.
+          continuation: teacher mode: the token ids to score after the prompt.
+
+        Raises:
+          ValueError: naming the request, for anything this engine cannot run as asked.
+        """
+        return self.submit_many(
+            [prompt], [sampling], ids=[request_id], continuations=[continuation]
+        )[0]
+
+    def submit_many(self, prompts, sampling, *, ids=None, continuations=None) -> list:
+        """`submit` for several requests at once, validated all before any is queued."""
+        n = len(prompts)
+        ids = list(ids) if ids is not None else [None] * n
+        conts = list(continuations) if continuations is not None else [None] * n
+        params = list(sampling) if sampling is not None else [None] * n
+        if not len(ids) == len(conts) == len(params) == n:
+            raise ValueError("one sampling setting, id and continuation per prompt")
+        base = self._counters["submitted"]
+        made = []
+        for i, (prompt, sp, rid, cont) in enumerate(zip(prompts, params, ids, conts, strict=True)):
+            rid = base + i if rid is None else rid
+            made.append(self._request(prompt, sp or SamplingParams(temperature=0.0), rid, cont))
+        seeds = _draw_seeds(sum(r.sampling.seed is None for r in made))
+        now, comp = time.perf_counter(), engine.compile_seconds()
+        for r in made:
+            if r.sampling.seed is None:
+                r = dataclasses.replace(r, sampling=r.sampling.replace(seed=seeds.pop()))
+            samples = [_Sample(r, j, now, comp, self._watcher(r)) for j in range(r.sampling.n)]
+            self._queue.append(_Pending(samples))
+        self._counters["submitted"] += n
+        self._counters["samples"] += sum(r.sampling.n for r in made)
+        return [r.id for r in made]
+
+    def _request(self, prompt, sp: SamplingParams, rid, continuation) -> Request:
+        where = f"request {rid!r}"
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"{where}: sampling must be a SamplingParams, got {type(sp).__name__}")
+        model, cfg, cc = self.model, self.model.config, self.compression
+        ids = requests.encode(model.tokenizer, prompt, self._chat, where)
+        if continuation is not None:
+            continuation = tuple(int(t) for t in continuation)
+            if not continuation:
+                raise ValueError(f"{where}: an empty continuation has nothing to score")
+            if len(continuation) > self._given_len:
+                raise ValueError(
+                    f"{where}: a continuation of {len(continuation)} tokens is longer than "
+                    f"this engine's given_len={self._given_len}"
+                )
+            bad = [t for t in continuation if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{where}: continuation token id(s) {bad[:5]} outside the vocabulary"
+                )
+        elif self.plan.teacher:
+            raise ValueError(f"{where}: a scoring engine needs a continuation")
+        req = Request(rid, tuple(ids), sp, continuation)
+        requests.validate_ids(
+            ids,
+            vocab=cfg.vocab_size,
+            max_positions=cfg.max_positions,
+            max_tokens=req.max_tokens,
+            where=where,
+        )
+        if cc.compressing and len(ids) < cc.window:
+            raise ValueError(
+                f"{where}: a prompt of {len(ids)} tokens is shorter than window={cc.window}: "
+                "compression needs that many observation queries"
+            )
+        if not cc.compressing and len(ids) + req.max_tokens - 1 > self.capacity:
+            raise ValueError(
+                f"{where}: {len(ids)} prompt tokens + max_tokens={req.max_tokens} need "
+                f"{len(ids) + req.max_tokens - 1} FullKV cache slots; this engine has "
+                f"max_len={self.capacity}"
+            )
+        if sp.logprobs is not None and (
+            self.plan.sampler.logprobs is None or sp.logprobs > self.plan.sampler.logprobs
+        ):
+            raise ValueError(
+                f"{where}: logprobs={sp.logprobs} exceeds this engine's "
+                f"logprobs={self.plan.sampler.logprobs} (Engine(logprobs=...))"
+            )
+        if sp.uses_penalties and not self.plan.sampler.penalties:
+            raise ValueError(f"{where}: penalties need Engine(penalties=True)")
+        if sp.stop and model.tokenizer is None:
+            raise ValueError(f"{where}: stop strings need a tokenizer; use stop_token_ids")
+        stop_ids = sp.min_tokens_stop_ids(self._stop_ids(sp, where) + model.eos_token_ids)
+        if len(stop_ids) > self._stop_width:
+            raise ValueError(
+                f"{where}: {len(stop_ids)} stop token ids (end-of-sequence included) exceed "
+                f"this engine's stop_width={self._stop_width}"
+            )
+        return req
+
+    def _stop_ids(self, sp: SamplingParams, where: str = "request") -> tuple[int, ...]:
+        """The ids that end sp's samples, checked against the vocabulary."""
+        vocab = self.model.config.vocab_size
+        for t in sp.stop_token_ids:
+            requests.token_id(t, vocab, f"{where}: stop_token_ids")
+        return sp.stopping_token_ids(self.model.eos_token_ids)
+
+    def _watcher(self, r: Request) -> StopWatcher | None:
+        return StopWatcher(self.model.tokenizer, r.sampling.stop) if r.sampling.stop else None
+
+    def state_shapes(self) -> engine.SlotState:
+        """The shapes, dtypes and shardings of this engine's device state (nothing allocated):
+        what its slots hold in memory."""
+        with _on_mesh(self.model):
+            return jax.eval_shape(
+                lambda d: engine.init_state(
+                    d,
+                    slots=self.slots,
+                    capacity=self.capacity,
+                    stop_width=self._stop_width,
+                    given_len=self._given_len,
+                    plan=self.plan,
+                ),
+                self.model.decoder,
+            )
+
+    def prefilled(self) -> engine.SlotState:
+        """Admits every queued request that fits and returns the device state before its first
+        decode step, without running it: benchmarks time `engine.decode` from copies of it.
+        The engine itself should not be driven afterwards."""
+        with _on_mesh(self.model):
+            self._ensure_state()
+            self._admit()
+            jax.block_until_ready(self._state)
+        self._events.clear()
+        return self._state
+
+    def memory_analysis(self, *, prompt_len: int, parts=("decode",)) -> dict:
+        """Compile-only memory of this engine's programs; nothing is allocated or run.
+
+        Args:
+          prompt_len: the prompt length of the "prefill" part (one group of every slot's
+            prompt, or `max_prefill_rows` of them).
+          parts: any of "decode" (one chunk), "prefill" (a group and its insert) and
+            "compress" (one step of the compression lanes).
+
+        Returns:
+          {"state_bytes", "cache_bytes", and per part {"argument_bytes", "output_bytes",
+          "alias_bytes", "temp_bytes", "peak_bytes"}}: peak = arguments + outputs not aliased
+          to a donated argument + XLA's temporaries, as `Compiled.memory_analysis()` says.
+        """
+        state = self.state_shapes()
+        out = {"state_bytes": _tree_bytes(state), "cache_bytes": _tree_bytes(state.cache)}
+        k = self._max_prefill
+        tokens = jax.ShapeDtypeStruct((k, requests.bucket(prompt_len, prompt_len)), jnp.int32)
+        with _on_mesh(self.model):
+            for name in parts:
+                if name == "decode":
+                    lowered = engine.decode.lower(
+                        self.model.decoder, state, steps=self.chunk, plan=self.plan
+                    )
+                elif name == "prefill":
+                    lowered = engine.prefill.lower(
+                        self.model.decoder, tokens, tokens, capacity=self.capacity, plan=self.plan
+                    )
+                elif name == "compress":
+                    full = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)
+                    fn = jax.jit(
+                        lambda c, f: policy.compress_lanes(
+                            c, f, self.compression, lanes=self.plan.lanes, start=jnp.int32(0),
+                            rules=self.plan.rules,
+                        )
+                    )  # fmt: skip
+                    lowered = fn.lower(state.cache, full)
+                else:
+                    raise ValueError(f"unknown part {name!r}: decode, prefill or compress")
+                ma = lowered.compile().memory_analysis()
+                part = {
+                    "argument_bytes": ma.argument_size_in_bytes,
+                    "output_bytes": ma.output_size_in_bytes,
+                    "alias_bytes": ma.alias_size_in_bytes,
+                    "temp_bytes": ma.temp_size_in_bytes,
+                }
+                part["peak_bytes"] = (
+                    part["argument_bytes"] + part["output_bytes"] - part["alias_bytes"]
+                    + part["temp_bytes"]
+                )  # fmt: skip
+                out[name] = part
+        return out
+
+    # -- driving the device ---------------------------------------------------------------
+
+    def results(self) -> Iterator[GenerationResult | ScoreResult]:
+        """Runs until every submitted request has finished, yielding each sample when it
+        finishes (requests submitted meanwhile are picked up too)."""
+        self._start()
+        try:
+            while self._queue or any(s is not None for s in self._owner) or self._events:
+                yield from self._pump()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def run(self) -> list[GenerationResult | ScoreResult]:
+        """Every submitted request to the end -> results in the order they finished."""
+        return list(self.results())
+
+    def _start(self) -> None:
+        if self._t0 is None:
+            self._t0, self._compile0 = time.perf_counter(), engine.compile_seconds()
+        if self._progress and self._bar is None:
+            from tqdm.auto import tqdm
+
+            total = self._total or self._counters["samples"]
+            self._bar = tqdm(total=total, unit="sample", desc="generate", dynamic_ncols=True)
+
+    def _pump(self) -> list:
+        """One round: dispatch the next chunk, parse the previous one, admit, release."""
+        with _on_mesh(self.model):
+            self._ensure_state()
+            self._admit()  # requests submitted since the last round, into slots known free
+            busy = any(s is not None and not s.finished for s in self._owner)
+            if busy:
+                self._dispatch_chunk()
+            finished = []
+            # Parse everything but the chunk just dispatched: it runs while the host works.
+            keep = 1 if busy else 0
+            while len(self._events) > keep:
+                finished += self._parse(self._events.popleft())
+            self._admit()
+            self._flush_release()
+        self._update_bar(finished)
+        return finished
+
+    def _ensure_state(self) -> None:
+        if self._state is None:
+            self._state = engine.init_state(
+                self.model.decoder,
+                slots=self.slots,
+                capacity=self.capacity,
+                stop_width=self._stop_width,
+                given_len=self._given_len,
+                plan=self.plan,
+            )
+
+    def _dispatch_chunk(self) -> None:
+        self._state, out = engine.decode(
+            self.model.decoder, self._state, steps=self.chunk, plan=self.plan
+        )
+        self._events.append(("chunk", out, list(self._owner)))
+
+    def _flush_release(self) -> None:
+        rows = [b for b in self._release if self._owner[b] is None]
+        self._release.clear()
+        if rows:
+            mask = np.zeros(self.slots, bool)
+            mask[rows] = True
+            self._state = engine.release(self._state, put_rows(self.model, mask), plan=self.plan)
+
+    def _admit(self) -> None:
+        """Fills free slots from the queue: a prompt prefilled earlier whose other samples are
+        waiting goes first (its prefill is kept, not repeated); then a group of new prompts is
+        prefilled together, as many whole requests as fit and part of the next."""
+        while self._queue:
+            free = [b for b, s in enumerate(self._owner) if s is None]
+            if not free:
+                return
+            head = self._queue[0]
+            if head.group is not None:
+                take = head.samples[: len(free)]
+                del head.samples[: len(take)]
+                if not head.samples:
+                    self._queue.popleft()
+                self._insert(head.group, [head.src] * len(take), take, free)
+                continue
+            entries, need = [], 0
+            while self._queue and self._queue[0].group is None and need < len(free):
+                if len(entries) == self._max_prefill:
+                    break
+                entries.append(self._queue.popleft())
+                need += len(entries[-1].samples)
+            group = self._prefill([e.samples[0].request for e in entries])
+            src, samples = [], []
+            for i, e in enumerate(entries):
+                take = e.samples[: len(free) - len(samples)]
+                del e.samples[: len(take)]
+                src += [i] * len(take)
+                samples += take
+            for i, e in reversed(list(enumerate(entries))):
+                if e.samples:  # the rest of its samples wait for slots, prefilled
+                    e.group, e.src = group, i
+                    self._queue.appendleft(e)
+            self._insert(group, src, samples, free)
+
+    def _prefill(self, reqs: list[Request]) -> engine.Prefilled:
+        """One prefill call for a group of prompts (rows and length bucketed)."""
+        model, cfg = self.model, self.model.config
+        k = requests.row_bucket(len(reqs), self._max_prefill, model.data_shards)
+        tokens, positions = requests.pad_left(
+            [r.prompt_token_ids for r in reqs], k, cfg.max_positions
+        )
+        self._counters["prefills"] += 1
+        self._counters["prefill_rows"] += len(reqs)
+        self._counters["prompt_tokens"] += sum(len(q.prompt_token_ids) for q in reqs)
+        return engine.prefill(
+            model.decoder,
+            put_rows(model, tokens),
+            put_rows(model, positions),
+            capacity=self.capacity,
+            plan=self.plan,
+        )
+
+    def _insert(
+        self, group: engine.Prefilled, src: list[int], samples: list[_Sample], free: list[int]
+    ) -> None:
+        """Scatters prefilled rows src[i] of `group` into the first free slots for samples[i]."""
+        model = self.model
+        dst_slots = free[: len(samples)]
+        r = requests.row_bucket(len(samples), self.slots)
+        dst = dst_slots + [self.slots] * (r - len(samples))
+        src_rows = src + [0] * (r - len(samples))
+        new = self._new_rows([s.request for s in samples], [s.index for s in samples], r)
+        self._state, first = engine.insert(
+            self._state,
+            group,
+            _replicated(model, np.asarray(src_rows, np.int32)),
+            _replicated(model, np.asarray(dst, np.int32)),
+            new,
+            plan=self.plan,
+        )
+        for slot, s in zip(dst_slots, samples, strict=True):
+            self._owner[slot] = s
+        kept = group.kept if self.plan.record_kept and self.compression.compressing else None
+        self._events.append(("insert", (first, kept, src), samples))
+        self._batch_peak = max(self._batch_peak, sum(s is not None for s in self._owner))
+
+    def _new_rows(self, reqs: list[Request], indices: list[int], r: int) -> engine.NewRows:
+        """Per-destination arrays of an insert, padded to r rows."""
+        stop = np.full((r, self._stop_width), -1, np.int32)
+        block = np.full((r, self._stop_width), -1, np.int32)
+        max_tokens = np.ones(r, np.int32)
+        given = np.zeros((r, self._given_len), np.int32)
+        eos = self.model.eos_token_ids
+        for i, q in enumerate(reqs):
+            ids = self._stop_ids(q.sampling)
+            stop[i, : len(ids)] = ids
+            ids = q.sampling.min_tokens_stop_ids(eos)
+            block[i, : len(ids)] = ids
+            max_tokens[i] = q.max_tokens
+            if q.continuation is not None:
+                given[i, : len(q.continuation)] = q.continuation
+        rows = SlotSampling.from_params([q.sampling for q in reqs], batch=r, sample_indices=indices)
+        new = engine.NewRows(
+            max_tokens=max_tokens, stop_ids=stop, block_ids=block, sampling=rows, given=given
+        )
+        return _replicated(self.model, new)
+
+    # -- parsing device output ------------------------------------------------------------
+
+    def _parse(self, event) -> list:
+        kind, payload, owners = event
+        if kind == "insert":
+            first, kept, src = payload
+            return self._parse_insert(first, kept, src, owners)
+        return self._parse_chunk(payload, owners)
+
+    def _parse_insert(self, first, kept, src, samples: list[_Sample]) -> list:
+        out = sharding.to_host(first)
+        kept = None if kept is None else sharding.to_host(kept)
+        now, comp = time.perf_counter(), engine.compile_seconds()
+        if self._first_tokens_at is None:
+            self._first_tokens_at = now
+        done = []
+        for r, s in enumerate(samples):
+            s.ttft = (now - s.submitted) - (comp - s.compile_at_submit)
+            s.compressions = int(out.compressions[r])
+            if kept is not None and s.compressions:
+                s.kept.append(kept[src[r]])
+            self._take(s, out, r)
+            if not out.active[r] and not s.finished:
+                self._finish(s, out, r)
+            if s.finished:
+                done.append(self._result(s))
+                self._free(s, release=bool(out.active[r]))
+        return done
+
+    def _parse_chunk(self, out: engine.Tokens, owners: list[_Sample | None]) -> list:
+        out = sharding.to_host(out)
+        steps = int(out.steps)
+        self._counters["decode_steps"] += steps
+        self._counters["busy"] += int(out.busy)
+        self._counters["fired"] += int(out.fired)
+        self._counters["stalled"] += int(out.stalled)
+        for t in range(steps):  # compressions in step order
+            for lane, row in enumerate(out.kept_rows[t]):
+                s = owners[row] if row < self.slots else None
+                if s is not None and not s.finished:
+                    s.compressions += 1
+                    if out.kept.shape[1]:
+                        s.kept.append(out.kept[t, lane])
+        done = []
+        for b, s in enumerate(owners):
+            if s is None or s.finished:
+                continue
+            s.peak, s.stalls = int(out.peak[b]), int(out.stalls[b])
+            self._take(s, out, b)
+            if not out.active[b] and not s.finished:
+                self._finish(s, out, b)
+            if s.finished:
+                done.append(self._result(s))
+                self._free(s, release=bool(out.active[b]))
+        return done
+
+    def _take(self, s: _Sample, out: engine.Tokens, b: int) -> None:
+        """Appends row b's new tokens to sample s, ending it at a stop string."""
+        n = int(out.count[b])
+        if not n:
+            return
+        new = out.tokens[b, :n].tolist()
+        cut = s.watcher.push(new) if s.watcher is not None else None
+        if cut is not None:  # a stop string ends the sample at its token number `cut`
+            n = cut - len(s.tokens)
+            new = new[:n]
+        s.tokens += new
+        if out.logprob.shape[1]:
+            s.logprobs += out.logprob[b, :n].tolist()
+        if out.top_ids.shape[1]:
+            ids, lps = out.top_ids[b, :n], out.top_logprobs[b, :n]
+            s.top += [
+                list(zip(i.tolist(), p.tolist(), strict=True))
+                for i, p in zip(ids, lps, strict=True)
+            ]
+        if out.top1.shape[1]:
+            s.top1 += out.top1[b, :n].tolist()
+        if out.dists.shape[1]:
+            s.dists += list(out.dists[b, :n])
+        if cut is not None:
+            s.reason = "stop"
+
+    def _finish(self, s: _Sample, out: engine.Tokens, b: int) -> None:
+        """The device ended row b's sample: a stop token, or its token budget."""
+        s.peak, s.stalls = int(out.peak[b]), int(out.stalls[b])
+        stop_ids = set(self._stop_ids(s.request.sampling))
+        by_token = s.request.continuation is None and bool(s.tokens) and s.tokens[-1] in stop_ids
+        s.reason = "stop" if by_token else "length"
+
+    def _free(self, s: _Sample, *, release: bool) -> None:
+        """Frees s's slot; `release` when the device still runs it (a stop string)."""
+        for b, owner in enumerate(self._owner):
+            if owner is s:
+                self._owner[b] = None
+                if release:
+                    self._release.add(b)
+        self._counters["finished"] += 1
+        self._counters["generated"] += len(s.tokens)
+
+    def _result(self, s: _Sample) -> GenerationResult | ScoreResult:
+        r = s.request
+        if r.continuation is not None:
+            return ScoreResult(
+                logprobs=np.asarray(s.logprobs, np.float32),
+                top1=np.asarray(s.top1, np.int32),
+                dists=np.stack(s.dists) if s.dists else None,
+                compressions=s.compressions,
+                peak_cache_slots=s.peak,
+                request_id=r.id,
+            )
+        tok = self.model.tokenizer
+        text = tok.decode(s.tokens) if tok is not None else ""
+        if r.sampling.stop:
+            cut = find_stop(text, r.sampling.stop)
+            if cut is not None:
+                text, s.reason = text[:cut], "stop"
+        run = self.stats
+        stats = GenerationStats(
+            prompt_tokens=len(r.prompt_token_ids),
+            generated_tokens=len(s.tokens),
+            method=self.compression.method,
+            budget=self.compression.budget if self.compression.compressing else None,
+            compressions=s.compressions,
+            cache_capacity=self.capacity,
+            peak_cache_slots=s.peak,
+            stalled_steps=s.stalls,
+            batch_size=self._batch_peak,
+            time_to_first_token_s=max(0.0, s.ttft or 0.0),
+            decode_s=run.wall_s - run.compile_s,
+            tokens_per_s=run.tokens_per_s,
+            compile_s=run.compile_s,
+        )
+        kept = np.stack(s.kept) if self.plan.record_kept and s.kept else None
+        if self.plan.record_kept and kept is None and self.compression.compressing:
+            cfg = self.model.config
+            kept = np.zeros((0, cfg.num_layers, cfg.kv_heads, self.compression.budget), np.int32)
+        return GenerationResult(
+            text=text,
+            token_ids=list(s.tokens),
+            finish_reason=s.reason,
+            stats=stats,
+            prompt_token_ids=list(r.prompt_token_ids),
+            kept_positions=kept,
+            request_id=r.id,
+            sample_index=s.index,
+            logprobs=s.logprobs if r.sampling.logprobs is not None else None,
+            top_logprobs=s.top if r.sampling.logprobs is not None else None,
+        )
+
+    # -- reporting ------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> RunStats:
+        """The run's counters so far."""
+        c = self._counters
+        now = time.perf_counter()
+        wall = now - self._t0 if self._t0 is not None else 0.0
+        compile_s = engine.compile_seconds() - self._compile0 if self._t0 is not None else 0.0
+        steps = c["decode_steps"]
+        gen = c["generated"]
+        busy_s = max(wall - compile_s, 1e-9)
+        return RunStats(
+            slots=self.slots,
+            lanes=self.plan.lanes,
+            requests=c["submitted"],
+            samples=c["samples"],
+            prefills=c["prefills"],
+            prefill_rows=c["prefill_rows"],
+            prompt_tokens=c["prompt_tokens"],
+            generated_tokens=gen,
+            decode_steps=steps,
+            slot_occupancy=c["busy"] / (self.slots * steps) if steps else 0.0,
+            compressions=c["fired"],
+            rows_compressed_per_step=c["fired"] / steps if steps else 0.0,
+            stalled_row_steps=c["stalled"],
+            wall_s=wall,
+            compile_s=compile_s,
+            tokens_per_s=gen / busy_s if wall else 0.0,
+        )
+
+    def _update_bar(self, finished: list) -> None:
+        if self._bar is None:
+            return
+        if self._total is None:
+            self._bar.total = self._counters["samples"]
+        self._bar.update(len(finished))
+        st = self.stats
+        busy = sum(s is not None for s in self._owner)
+        self._bar.set_postfix(
+            tok_s=f"{st.tokens_per_s:.1f}",
+            comp_s=f"{st.compressions / max(st.wall_s - st.compile_s, 1e-9):.1f}",
+            busy=f"{busy}/{self.slots}",
+            refresh=False,
+        )

@@ -1,0 +1,330 @@
+"""The slot runtime: continuous batching equals each request alone, per-request sampling is
+batch-invariant, n samples share a prefill, compression lanes keep the reference's keep sets,
+and nothing recompiles as requests come and go."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+import rkvjax
+from rkvjax import engine
+from rkvjax.config import compression_config
+from rkvjax.detokenize import StopWatcher, find_stop
+from rkvjax.sampling import SamplingParams
+from tests.reference import sampling_numpy as sref
+from tests.test_policy import _full_qk, _load, _prompt, _ref_keep, _simulate_layer0
+
+BUDGET, BUFFER = 16, 8
+COMPRESSING = dict(budget=BUDGET, buffer=BUFFER)
+# 12 prompts of mixed lengths (buckets 16, 32, 64; some over the budget) and lengths.
+LENGTHS = (9, 30, 12, 41, 8, 17, 25, 10, 33, 14, 20, 11)
+MAX_TOKENS = (21, 5, 34, 12, 40, 9, 17, 28, 3, 25, 14, 31)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return _load(tiny_checkpoint("llama")[0])
+
+
+def _greedy(m: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+
+
+def _mixed():
+    prompts = [_prompt(n, seed=100 + i) for i, n in enumerate(LENGTHS)]
+    return prompts, [_greedy(m) for m in MAX_TOKENS]
+
+
+def _run(model, prompts, params, *, slots, method, **kw):
+    """Results of an Engine run over `slots` rows, in submission order."""
+    cc = compression_config(method, BUDGET if method != "full" else None, buffer=BUFFER)
+    eng = rkvjax.Engine(model, slots=slots, cache=cc, max_len=128, **kw)
+    eng.submit_many(prompts, params)
+    out = sorted(eng.run(), key=lambda r: r.request_id)
+    return out, eng.stats
+
+
+@pytest.mark.parametrize("method", ["full", "rkv", "snapkv", "streaming"])
+def test_continuous_batching_equals_each_request_alone(llama, method):
+    """12 prompts of mixed lengths and max_tokens through 3 slots: every request gets exactly
+    the tokens, compressions and peak it gets alone (one slot, nothing else running); slots are
+    refilled as requests finish."""
+    prompts, params = _mixed()
+    got, stats = _run(llama, prompts, params, slots=3, method=method)
+    alone, _ = _run(llama, prompts, params, slots=1, method=method)
+    for r, (a, b) in enumerate(zip(got, alone, strict=True)):
+        assert a.token_ids == b.token_ids, f"request {r}"
+        assert len(a.token_ids) == MAX_TOKENS[r]
+        assert a.stats.compressions == b.stats.compressions, f"request {r}"
+        assert a.stats.peak_cache_slots == b.stats.peak_cache_slots, f"request {r}"
+    assert stats.requests == 12 and stats.prefill_rows == 12
+    assert stats.prefills >= 4  # admissions into freed slots, not one batch
+    if method != "full":
+        assert sum(r.stats.compressions for r in got) >= 12
+    # generate() alone (its own engine and FullKV capacity) gives the same, too.
+    for r in (0, 3):
+        one = rkvjax.generate(llama, prompts[r], sampling=params[r], method=method, **COMPRESSING)
+        assert one.token_ids == got[r].token_ids
+
+
+@pytest.mark.slow
+def test_continuous_batching_equals_alone_on_the_default_model(smol):
+    """The same on the real default model: 12 chat prompts of mixed lengths and max_tokens
+    through 3 slots, R-KV with a small budget so rows compress, equal to each alone."""
+    questions = [
+        "What is 12 + 7?", "Name three colors.", "Count from one to five.", "Why?", "Hi",
+        "What is the capital of Italy?", "Write a haiku about rain.", "2 * 21 = ?",
+        "Spell 'cat' backwards.", "Is water wet? Answer in one sentence.", "Say hello.",
+        "List two prime numbers.",
+    ]  # fmt: skip
+    params = [_greedy(m) for m in (40, 12, 33, 20, 26, 9, 37, 15, 30, 22, 18, 28)]
+    cc = compression_config("rkv", 24, buffer=8)
+    runs = []
+    for slots in (3, 1):
+        eng = rkvjax.Engine(smol, slots=slots, cache=cc)
+        eng.submit_many(questions, params)
+        runs.append(sorted(eng.run(), key=lambda r: r.request_id))
+    for a, b in zip(*runs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.stats.compressions == b.stats.compressions
+    assert sum(r.stats.compressions for r in runs[0]) >= 12
+
+
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234, max_tokens=30)
+
+
+def test_seeded_sampling_is_batch_invariant(llama):
+    """A seeded request samples the same tokens alone, in a batch of 8 with other settings, and
+    admitted mid-run into a slot freed by another request."""
+    p = _prompt(13, seed=7)
+    alone = rkvjax.generate(llama, p, sampling=SAMPLED, method="rkv", **COMPRESSING)
+    others = [_prompt(n, seed=20 + n) for n in (9, 22, 15, 31, 10, 18, 27)]
+    other_params = [
+        SamplingParams(temperature=t, top_p=q, top_k=k, min_p=mp, seed=s, max_tokens=m)
+        for t, q, k, mp, s, m in zip(
+            (0.0, 1.0, 0.5, 1.3, 0.7, 0.0, 0.9),
+            (1.0, 0.5, 0.95, 1.0, 0.8, 1.0, 0.99),
+            (0, 0, 5, 40, 0, 0, 3),
+            (0.0, 0.0, 0.1, 0.0, 0.05, 0.0, 0.0),
+            (1, 2, 3, 4, 5, 6, 7),
+            (30, 12, 30, 25, 30, 8, 30),
+            strict=True,
+        )
+    ]
+    batch = rkvjax.generate(
+        llama, [*others[:3], p, *others[3:]], sampling=[*other_params[:3], SAMPLED,
+        *other_params[3:]], method="rkv", **COMPRESSING,
+    )  # fmt: skip
+    assert batch[3].token_ids == alone.token_ids
+    # Two slots: the request waits for a short one to finish, then takes its slot.
+    eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
+    eng.submit_many([others[0], others[1], p], [_greedy(40), _greedy(6), SAMPLED])
+    late = {r.request_id: r for r in eng.run()}
+    assert late[2].token_ids == alone.token_ids
+    assert eng.stats.prefills == 2  # the first two together, then the late one
+    # Different seeds do differ (the check can fail).
+    other = rkvjax.generate(llama, p, sampling=SAMPLED.replace(seed=99), **COMPRESSING)
+    assert other.token_ids != alone.token_ids
+
+
+def test_n_samples_share_one_prefill(llama):
+    """n = 4 prefills the prompt once; greedy gives 4 identical completions, sampling 4
+    different ones (each sample its own stream), each reproducible alone."""
+    p = _prompt(12, seed=3)
+    eng = rkvjax.Engine(llama, slots=4, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
+    eng.submit(p, SamplingParams(n=4, temperature=0.0, max_tokens=30, ignore_eos=True))
+    outs = sorted(eng.run(), key=lambda r: r.sample_index)
+    assert eng.stats.prefill_rows == 1 and eng.stats.samples == 4
+    assert [r.sample_index for r in outs] == [0, 1, 2, 3]
+    assert all(r.token_ids == outs[0].token_ids for r in outs)
+    assert outs[0].stats.compressions >= 2
+    sampled = rkvjax.generate(llama, p, sampling=SAMPLED.replace(n=4), slots=4, **COMPRESSING)
+    assert len(sampled) == 4 and len({tuple(r.token_ids) for r in sampled}) == 4
+    # generate() returns the n results in sample order; each sample alone in its slot is the same
+    again = rkvjax.generate(llama, p, sampling=SAMPLED.replace(n=4), slots=1, **COMPRESSING)
+    assert [r.token_ids for r in again] == [r.token_ids for r in sampled]
+
+
+def test_no_recompilation_across_admissions_and_compressions(llama):
+    """Admissions into freed slots, compressions, and requests with other settings reuse the
+    compiled programs: one trace each of init, prefill, insert and decode for the whole run."""
+    cc = compression_config("rkv", BUDGET, buffer=BUFFER, lam=0.3)  # a plan of its own
+    eng = rkvjax.Engine(llama, slots=2, cache=cc, max_prefill_rows=1)
+    prompts = [_prompt(n, seed=200 + n) for n in (10, 12, 9, 15, 11, 13)]
+    settings = [(0.0, 1.0, 30), (0.9, 0.9, 12), (0.5, 1.0, 40), (0.0, 1.0, 20), (1.0, 0.7, 25)]
+    params = [
+        SamplingParams(temperature=t, top_p=q, seed=i, max_tokens=m, ignore_eos=True)
+        for i, (t, q, m) in enumerate([*settings, (0.0, 1.0, 33)])
+    ]
+    before = collections.Counter(engine.TRACES)
+    eng.submit_many(prompts, params)
+    out = eng.run()
+    traced = collections.Counter(engine.TRACES) - before
+    assert eng.stats.prefills == 6 >= 3
+    assert sum(r.stats.compressions for r in out) >= 10
+    assert traced == collections.Counter(init_state=1, prefill=1, insert=1, decode=1)
+
+
+def test_stalled_rows_keep_the_reference_keep_sets(llama):
+    """Four rows of one length fill up on the same step; with one lane, three wait. Every
+    compression still keeps exactly what the NumPy reference keeps (layer 0 replayed through
+    every compression, every layer at the first) and the rows decode exactly as alone."""
+    prompts = [_prompt(11, seed=300 + i) for i in range(4)]
+    params = [_greedy(60)] * 4
+    got, stats = _run(llama, prompts, params, slots=4, method="rkv", lanes=1, record_kept=True)
+    alone, _ = _run(llama, prompts, params, slots=1, method="rkv", record_kept=True)
+    assert stats.stalled_row_steps > 0 and stats.lanes == 1
+    assert max(r.stats.stalled_steps for r in got) >= 3
+    qs, ks = _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, got, strict=True)], 80)
+    for r, (res, ref) in enumerate(zip(got, alone, strict=True)):
+        assert res.token_ids == ref.token_ids, f"row {r}"
+        events = res.stats.compressions
+        assert events >= 5
+        np.testing.assert_array_equal(res.kept_positions, ref.kept_positions)
+        want = _simulate_layer0("rkv", qs[0][r], ks[0][r], 11, events, budget=BUDGET, buffer=BUFFER)
+        np.testing.assert_array_equal(res.kept_positions[:, 0], want, err_msg=f"row {r}")
+        held = [list(range(BUDGET + BUFFER))] * ks[0].shape[2]
+        for layer in range(len(ks)):
+            first = _ref_keep("rkv", qs[layer][r], ks[layer][r], held, budget=BUDGET)
+            np.testing.assert_array_equal(res.kept_positions[0, layer], first)
+
+
+def test_logprobs_match_score(llama):
+    """logprobs=N: each generated token's log-probability is what `score` gives the same
+    tokens under the same cache policy, and the top N are the most likely, in order."""
+    p = _prompt(14, seed=9)
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=40, logprobs=3, ignore_eos=True)
+    out = rkvjax.generate(llama, p, sampling=sp, method="rkv", **COMPRESSING)
+    assert out.stats.compressions >= 2
+    scored = rkvjax.score(llama, p + out.token_ids, prompt_len=len(p), method="rkv", **COMPRESSING)
+    np.testing.assert_allclose(out.logprobs, scored.logprobs, atol=1e-5)
+    for chosen, top in zip(out.logprobs, out.top_logprobs, strict=True):
+        lps = [lp for _, lp in top]
+        assert len(top) == 3 and lps == sorted(lps, reverse=True) and chosen <= lps[0] + 1e-6
+    first = jax.nn.log_softmax(np.asarray(rkvjax.logits(llama, p))[0, -1])
+    np.testing.assert_allclose(
+        [lp for _, lp in out.top_logprobs[0]], np.sort(np.asarray(first))[::-1][:3], atol=1e-5
+    )
+
+
+def test_penalties_and_min_tokens_follow_the_reference(llama):
+    """Greedy decoding under repetition / presence / frequency penalties and min_tokens equals a
+    loop that applies the NumPy reference of vLLM's definitions to full-forward logits: the
+    engine's per-slot counts and prompt masks are right."""
+    p = _prompt(10, seed=11)
+    eos = 7  # a stop token the penalised greedy run would otherwise emit early
+    sp = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=1.4,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        max_tokens=24,
+        min_tokens=20,
+        stop_token_ids=[eos],
+        ignore_eos=True,
+    )
+    out = rkvjax.generate(llama, p, sampling=sp, method="full")
+    vocab = llama.config.vocab_size
+    seq, want = list(p), []
+    prompt_mask = np.zeros((1, vocab), bool)
+    prompt_mask[0, p] = True
+    for _ in range(sp.max_tokens):
+        row = np.asarray(rkvjax.logits(llama, seq + [0] * (64 - len(seq))))[0, len(seq) - 1]
+        counts = np.bincount(want, minlength=vocab)[None]
+        x = sref.apply_penalties(row[None], counts, prompt_mask, [1.4], [0.5], [0.3])
+        if len(want) < sp.min_tokens:
+            x[0, eos] = -np.inf
+        tok = int(np.argmax(x[0]))
+        want.append(tok)
+        seq.append(tok)
+        if tok == eos:
+            break
+    assert out.token_ids == want
+    plain = rkvjax.generate(llama, p, sampling=_greedy(24), method="full")
+    assert plain.token_ids != want  # the penalties changed something
+
+
+def test_engine_streams_results_as_they_finish(llama):
+    """Results come out in the order requests finish, and a request submitted while iterating
+    is picked up."""
+    eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
+    eng.submit(_prompt(10, 1), _greedy(80), request_id="long")
+    eng.submit(_prompt(12, 2), _greedy(5), request_id="short")
+    order = []
+    for res in eng.results():
+        order.append(res.request_id)
+        if res.request_id == "short":
+            eng.submit(_prompt(9, 3), _greedy(8), request_id="late")
+    assert order == ["short", "late", "long"]
+    assert eng.stats.samples == 3 and eng.stats.generated_tokens == 93
+
+
+def test_engine_rejects_what_it_cannot_run(llama):
+    """Bad requests fail at submit with a line naming the request, before anything runs."""
+    eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
+    before = collections.Counter(engine.TRACES)
+    cases = [
+        (dict(prompt=[1, 2, 3]), "shorter than window=8"),
+        (dict(prompt=_prompt(12, 0), sampling=SamplingParams(logprobs=2)), "logprobs=2"),
+        (dict(prompt=_prompt(12, 0), sampling=SamplingParams(presence_penalty=1.0)), "penalties"),
+        (dict(prompt=_prompt(12, 0), sampling=SamplingParams(stop_token_ids=[500])), "vocabulary"),
+        (dict(prompt=_prompt(12, 0), sampling=SamplingParams(max_tokens=600)), "positions"),
+        (dict(prompt="text"), "no tokenizer"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            eng.submit(**kw, request_id="bad")
+    with pytest.raises(ValueError, match="max_len"):
+        rkvjax.Engine(llama, slots=2)
+    with pytest.raises(ValueError, match="need 139 FullKV cache slots"):
+        rkvjax.Engine(llama, slots=2, max_len=64).submit(_prompt(12, 0), _greedy(128))
+    with pytest.raises(ValueError, match="either as sampling"):
+        rkvjax.generate(llama, _prompt(12, 0), sampling=_greedy(4), temperature=0.5)
+    assert collections.Counter(engine.TRACES) == before
+
+
+@pytest.mark.slow
+def test_stop_watcher_finds_what_a_full_decode_finds(smol):
+    """Token by token, the incremental text finds a stop string at the same token as decoding
+    the whole output again after every token would (the quadratic way it replaces)."""
+    tok = smol.tokenizer
+    text = "Wait, 12 × 7 = 84. Let me double-check: 12 × 7 is 84, so the answer is 84. Déjà vu! 🙂 "
+    ids = tok.encode(text * 3)
+    for stop in (["84"], ["answer is"], ["vu!"], ["🙂"], ["not there"], ["×", "check"]):
+        watcher = StopWatcher(tok, stop)
+        found = next((i for i in range(len(ids)) if watcher.push([ids[i]]) is not None), None)
+        brute = next(
+            (n for n in range(1, len(ids) + 1) if find_stop(tok.decode(ids[:n]), stop) is not None),
+            None,
+        )
+        assert (found + 1 if found is not None else None) == brute, stop
+
+
+@pytest.mark.slow
+def test_stop_strings_end_requests_early(smol):
+    """A stop string ends its request at the token that completes it (text cut before it), while
+    the other requests run on."""
+    q = "What is the capital of France?"
+    full = rkvjax.generate(smol, [q, q], max_new_tokens=30, ignore_eos=True)
+    word = "Paris"
+    assert word in full[0].text
+    out = rkvjax.generate(
+        smol,
+        [q, q],
+        sampling=[
+            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[word]),
+            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        ],
+    )
+    assert out[0].text == full[0].text[: full[0].text.index(word)]
+    assert out[0].finish_reason == "stop"
+    n = len(out[0].token_ids)
+    assert out[0].token_ids == full[0].token_ids[:n] and word in smol.tokenizer.decode(
+        out[0].token_ids
+    )
+    assert word not in smol.tokenizer.decode(out[0].token_ids[:-1])
+    assert out[1].token_ids == full[1].token_ids
