@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rkvjax
-from rkvjax import engine, xla_flags
+from rkvjax import engine, requests, xla_flags
 from rkvjax.config import compression_config
 from rkvjax.sampling import SamplingParams
 
@@ -81,8 +81,12 @@ def _copy(state):
     return jax.tree.map(jnp.copy, state)
 
 
-def _prefilled(model, ids, params, cc, *, slots=None) -> tuple[rkvjax.Engine, engine.SlotState]:
-    eng = rkvjax.Engine(model, slots=slots or len(ids), cache=cc, max_len=2048)
+def _prefilled(model, ids, params, cc) -> tuple[rkvjax.Engine, engine.SlotState]:
+    """An engine with one slot per prompt, every prompt admitted: the state before decoding.
+    FullKV holds the prompt bucket plus every new token, as `generate` sizes it."""
+    longest = max(map(len, ids))
+    max_len = requests.bucket(longest, longest) + max(p.max_tokens for p in params) - 1
+    eng = rkvjax.Engine(model, slots=len(ids), cache=cc, max_len=max_len)
     eng.submit_many(ids, params)
     return eng, eng.prefilled()
 

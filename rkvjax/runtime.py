@@ -207,8 +207,8 @@ class Engine:
         self._counters = collections.Counter()
         self._t0: float | None = None
         self._compile0 = 0.0
-        self._first_tokens_at: float | None = None
         self._batch_peak = 0
+        self._live: dict[Any, int] = {}  # id of each request queued or running -> samples left
 
     # -- requests -------------------------------------------------------------------------
 
@@ -247,6 +247,8 @@ class Engine:
         made = []
         for i, (prompt, sp, rid, cont) in enumerate(zip(prompts, params, ids, conts, strict=True)):
             rid = base + i if rid is None else rid
+            if rid in self._live or any(r.id == rid for r in made):
+                raise ValueError(f"request id {rid!r} is already queued or running")
             made.append(self._request(prompt, sp or SamplingParams(temperature=0.0), rid, cont))
         seeds = _draw_seeds(sum(r.sampling.seed is None for r in made))
         now, comp = time.perf_counter(), engine.compile_seconds()
@@ -257,6 +259,7 @@ class Engine:
             self._queue.append(_Pending(samples))
         self._counters["submitted"] += n
         self._counters["samples"] += sum(r.sampling.n for r in made)
+        self._live.update((r.id, r.sampling.n) for r in made)
         return [r.id for r in made]
 
     def _request(self, prompt, sp: SamplingParams, rid, continuation) -> Request:
@@ -590,8 +593,6 @@ class Engine:
         out = sharding.to_host(first)
         kept = None if kept is None else sharding.to_host(kept)
         now, comp = time.perf_counter(), engine.compile_seconds()
-        if self._first_tokens_at is None:
-            self._first_tokens_at = now
         done = []
         for r, s in enumerate(samples):
             s.ttft = (now - s.submitted) - (comp - s.compile_at_submit)
@@ -675,6 +676,10 @@ class Engine:
                     self._release.add(b)
         self._counters["finished"] += 1
         self._counters["generated"] += len(s.tokens)
+        rid = s.request.id
+        self._live[rid] -= 1
+        if not self._live[rid]:
+            del self._live[rid]
 
     def _result(self, s: _Sample) -> GenerationResult | ScoreResult:
         r = s.request
