@@ -22,6 +22,7 @@ __all__ = [
     "Model",
     "ScoreResult",
     "as_dtype",
+    "engine_for",
     "generate",
     "load",
     "logits",
@@ -40,7 +41,7 @@ def _shorthand_sampling(n_prompts: int, **kw) -> list[SamplingParams]:
     seed = kw.pop("seed")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    return [SamplingParams(seed=int(seed) + i, **kw) for i in range(n_prompts)]
+    return [SamplingParams(seed=(int(seed) + i) % 2**32, **kw) for i in range(n_prompts)]
 
 
 def _sampling_list(sampling, n_prompts: int) -> list[SamplingParams]:
@@ -100,10 +101,14 @@ def default_slots(model: Model, samples: int, capacity: int, window: int, penalt
     (at least one per data shard)."""
     free = _memory_free()
     if free is None:
-        return samples
+        free = 1 << 62  # nothing to go by: every sample at once
     fit = int(free * _MEMORY_SHARE * model.data_shards) // _slot_bytes(
         model, capacity, window, penalties
     )
+    if jax.process_count() > 1:  # every process must build the same engine: process 0's count
+        from jax.experimental import multihost_utils
+
+        fit = int(multihost_utils.broadcast_one_to_all(np.int64(fit)))
     return max(model.data_shards, min(samples, fit))
 
 
@@ -113,8 +118,19 @@ def _stop_width(model: Model, params: list[SamplingParams]) -> int:
     return max(1, 1 << (max(most, 1) - 1).bit_length())
 
 
-def _cache_config(model, *, method, budget, prompt_len, max_new, think_only, think_end_token,
-                  answer_slots, pallas, **kw) -> CompressionConfig:  # fmt: skip
+def _cache_config(
+    model,
+    *,
+    method,
+    budget,
+    prompt_len,
+    max_new,
+    think_only,
+    think_end_token,
+    answer_slots,
+    pallas,
+    **kw,
+) -> CompressionConfig:
     return compression_config(
         method,
         budget,
@@ -124,6 +140,88 @@ def _cache_config(model, *, method, budget, prompt_len, max_new, think_only, thi
         answer_slots=answer_slots,
         pallas=pallas,
         **kw,
+    )
+
+
+def engine_for(
+    model: Model,
+    prompt_ids: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    *,
+    slots: int | None = None,
+    slot_cap: int | None = None,
+    method: str = "rkv",
+    budget: int | float | None = None,
+    buffer: int = 128,
+    window: int = 8,
+    kernel: int = 7,
+    lam: float = 0.1,
+    threshold: float = 0.5,
+    retain: int = 1,
+    think_only: bool = False,
+    think_end_token: str | int = "</think>",
+    answer_slots: int | None = None,
+    pallas: bool | None = None,
+    chunk: int = runtime.DEFAULT_CHUNK,
+    lanes: int | None = None,
+    record_kept: bool = False,
+    chat: bool | None = None,
+    progress: bool = False,
+    total: int | None = None,
+) -> runtime.Engine:
+    """The Engine `generate` would build for these requests (arguments as in `generate`): a
+    fractional budget and the FullKV length follow the longest prompt and max_tokens, and the
+    engine's logprobs, penalties and stop-id width cover every request; `slot_cap` caps the
+    default slot count. Offline jobs build theirs here from the whole input, so a resumed job
+    runs the same program."""
+    ids = [list(row) for row in prompt_ids]
+    max_new = max(sp.max_tokens for sp in params)
+    cc = _cache_config(
+        model,
+        method=method,
+        budget=budget,
+        prompt_len=max(map(len, ids)),
+        max_new=max_new,
+        think_only=think_only,
+        think_end_token=think_end_token,
+        answer_slots=answer_slots,
+        pallas=pallas,
+        buffer=buffer,
+        window=window,
+        kernel=kernel,
+        lam=lam,
+        threshold=threshold,
+        retain=retain,
+    )
+    samples = sum(sp.n for sp in params)
+    penalties = any(sp.uses_penalties for sp in params)
+    # FullKV holds the prompt bucket plus every new token but the last (never appended): the
+    # bucket, not the longest prompt, so calls with other prompt lengths reuse the program.
+    longest = max(map(len, ids))
+    if cc.compressing:
+        capacity = cc.capacity
+    else:
+        capacity = requests.bucket(longest, model.config.max_positions - max_new) + max_new - 1
+    if slots is None:
+        window_slots = cc.window if cc.compressing else 0
+        slots = default_slots(model, samples, capacity, window_slots, penalties)
+        if slot_cap is not None:
+            slots = max(model.data_shards, min(slots, slot_cap))
+    lps = [sp.logprobs for sp in params if sp.logprobs is not None]
+    return runtime.Engine(
+        model,
+        slots=slots,
+        cache=cc,
+        max_len=None if cc.compressing else capacity,
+        chunk=chunk,
+        lanes=lanes,
+        logprobs=max(lps) if lps else None,
+        penalties=penalties,
+        stop_width=_stop_width(model, params),
+        record_kept=record_kept,
+        chat=chat,
+        progress=progress,
+        total=total,
     )
 
 
@@ -216,11 +314,17 @@ def generate(
             or max_new_tokens < 1
         ):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        defaults = dict(max_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=0.0, top_p=1.0, top_k=0,
-                        seed=0, stop=(), stop_token_ids=(), ignore_eos=False)  # fmt: skip
+        defaults = dict(
+            max_tokens=DEFAULT_MAX_NEW_TOKENS,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=0,
+            seed=0,
+            stop=(),
+            stop_token_ids=(),
+            ignore_eos=False,
+        )
         kw = {k: defaults[k] if v is None else v for k, v in shorthand.items()}
-        if kw["stop"] is None:
-            kw["stop"] = ()
         params = _shorthand_sampling(len(prompt_list), **kw)
     else:
         given = sorted(k for k, v in shorthand.items() if v is not None)
@@ -245,46 +349,25 @@ def generate(
             max_tokens=sp.max_tokens,
             where=f"prompt {i}",
         )
-    max_new = max(sp.max_tokens for sp in params)
-    cc = _cache_config(
+    eng = engine_for(
         model,
+        ids,
+        params,
+        slots=slots,
         method=method,
         budget=budget,
-        prompt_len=max(map(len, ids)),
-        max_new=max_new,
-        think_only=think_only,
-        think_end_token=think_end_token,
-        answer_slots=answer_slots,
-        pallas=pallas,
         buffer=buffer,
         window=window,
         kernel=kernel,
         lam=lam,
         threshold=threshold,
         retain=retain,
-    )
-    samples = sum(sp.n for sp in params)
-    penalties = any(sp.uses_penalties for sp in params)
-    # FullKV holds the prompt bucket plus every new token but the last (never appended): the
-    # bucket, not the longest prompt, so calls with other prompt lengths reuse the program.
-    longest = max(map(len, ids))
-    capacity = cc.capacity if cc.compressing else (
-        requests.bucket(longest, model.config.max_positions - max_new) + max_new - 1
-    )  # fmt: skip
-    if slots is None:
-        window_slots = cc.window if cc.compressing else 0
-        slots = default_slots(model, samples, capacity, window_slots, penalties)
-    lps = [sp.logprobs for sp in params if sp.logprobs is not None]
-    eng = runtime.Engine(
-        model,
-        slots=slots,
-        cache=cc,
-        max_len=None if cc.compressing else capacity,
+        think_only=think_only,
+        think_end_token=think_end_token,
+        answer_slots=answer_slots,
+        pallas=pallas,
         chunk=chunk,
         lanes=lanes,
-        logprobs=max(lps) if lps else None,
-        penalties=penalties,
-        stop_width=_stop_width(model, params),
         record_kept=record_kept,
         chat=chat,
         progress=progress,
@@ -397,6 +480,6 @@ def logits(model: Model, token_ids) -> jax.Array:
     with runtime._on_mesh(model):
         return engine.forward_logits(
             model.decoder,
-            runtime.put_rows(model, arr.astype(np.int32)),
-            runtime.put_rows(model, positions),
+            runtime.device_rows(model, arr.astype(np.int32)),
+            runtime.device_rows(model, positions),
         )

@@ -4,15 +4,15 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
 
 import jax
 
-from rkvjax import api, jobs, requests, sharding, xla_flags
+from rkvjax import api, jobs, sharding, xla_flags
 from rkvjax.config import METHODS
+from rkvjax.sampling import SamplingParams
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,14 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         help="Hugging Face folder or .gguf file (default: %(default)s, prepared on first use)",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--max-new-tokens", type=int, default=api.DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument(
+        "--max-new-tokens",
+        "--max-tokens",
+        dest="max_new_tokens",
+        type=int,
+        default=api.DEFAULT_MAX_NEW_TOKENS,
+        help="tokens to generate at most per sample (default: %(default)s)",
+    )
     p.add_argument("--method", choices=METHODS, default="rkv")
     p.add_argument(
         "--budget",
@@ -32,12 +39,22 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--buffer", type=int, default=128, help="new tokens between compressions")
     p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    s = p.add_argument_group("sampling (vLLM's SamplingParams; a job's lines may override them)")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument(
+        "--logprobs", type=int, default=None, metavar="N", help="record the top N logprobs"
+    )
     p.add_argument(
         "--no-chat", action="store_true", help="send the raw text, without the chat template"
     )
@@ -47,6 +64,13 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="progress bar on stderr (default: when stderr is a terminal)",
     )
+
+
+def _shard_arg(text: str) -> tuple[int, int]:
+    try:
+        return jobs.parse_shard(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -71,11 +95,34 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("prompts", nargs="+", help="prompt text (several make a batch)")
     _add_generation_args(g)
     g.add_argument("--json", action="store_true", help="print results as JSON lines")
-    b = sub.add_parser("batch", help="offline job: JSONL prompts in, JSONL results out (resumable)")
-    b.add_argument("input", help="JSONL, one object per line with `prompt` or `prompt_token_ids`")
-    b.add_argument("output", help="JSONL results, appended; ids already there are skipped")
-    b.add_argument("--batch-size", type=int, default=8)
+    b = sub.add_parser(
+        "batch", help="offline job: JSONL requests in, JSONL results out (continuous, resumable)"
+    )
+    b.add_argument(
+        "input",
+        help="JSONL: per line `prompt`, `messages` or `prompt_token_ids`, an optional `id` and "
+        "sampling fields; or OpenAI batch lines (`custom_id`, `body`)",
+    )
+    b.add_argument("output", help="JSONL results, appended; samples already there are skipped")
+    b.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help=f"rows decoded at once (default: what memory allows, at most "
+        f"{jobs.DEFAULT_JOB_SLOTS})",
+    )
+    b.add_argument(
+        "--shard",
+        type=_shard_arg,
+        default=None,
+        metavar="I/N",
+        help="run shard I of N of the input (by id), e.g. one per host; `rkvjax merge` joins them",
+    )
+    b.add_argument("--token-ids", action="store_true", help="also write generated token ids")
     _add_generation_args(b)
+    m = sub.add_parser("merge", help="join the outputs of a job's shards into one output")
+    m.add_argument("output", help="the merged JSONL to write (must not exist)")
+    m.add_argument("shards", nargs="+", help="the shard outputs (`rkvjax batch --shard I/N`)")
     c = sub.add_parser(
         "convert",
         help="write a checkpoint as Orbax weights + config + tokenizer (restores into any mesh)",
@@ -115,24 +162,44 @@ def _budget(value: float | None) -> int | float | None:
     return int(value) if value >= 1 and value == int(value) else value
 
 
-def _generate_fn(args: argparse.Namespace, model: api.Model, progress: bool):
-    return functools.partial(
-        api.generate,
-        model,
-        budget=_budget(args.budget),
-        method=args.method,
-        buffer=args.buffer,
-        think_only=args.think_only,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        chat=False if args.no_chat else None,
-        progress=progress,
-    )
+def _cache(args: argparse.Namespace) -> dict:
+    """The cache-policy keywords of `generate` / `engine_for` from the flags."""
+    return {
+        "method": args.method,
+        "budget": _budget(args.budget),
+        "buffer": args.buffer,
+        "think_only": args.think_only,
+    }
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """The sampling flags as `SamplingParams` fields."""
+    return {
+        "n": args.n,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "seed": args.seed,
+        "max_tokens": args.max_new_tokens,
+        "min_tokens": args.min_tokens,
+        "stop": args.stop or [],
+        "ignore_eos": args.ignore_eos,
+        "logprobs": args.logprobs,
+    }
+
+
+def _checked_sampling(args: argparse.Namespace) -> dict:
+    """The sampling flags, checked before anything slow starts."""
+    fields = _sampling(args)
+    try:
+        SamplingParams(**fields)
+    except ValueError as e:
+        raise ValueError(f"sampling flags: {e}") from None
+    return fields
 
 
 def _progress(args) -> bool:
@@ -140,20 +207,35 @@ def _progress(args) -> bool:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    fields = _checked_sampling(args)
     t0 = time.perf_counter()
     model = _load(args)
     load_s = time.perf_counter() - t0
     primary = jax.process_index() == 0  # on several processes, process 0 reports
-    results = _generate_fn(args, model, _progress(args) and primary)(list(args.prompts))
+    # As generate's shorthand: prompt i samples with seed + i.
+    params = [
+        SamplingParams(**{**fields, "seed": (args.seed + i) % 2**32})
+        for i in range(len(args.prompts))
+    ]
+    outs = api.generate(
+        model,
+        list(args.prompts),
+        sampling=params,
+        chat=False if args.no_chat else None,
+        progress=_progress(args) and primary,
+        **_cache(args),
+    )
     if not primary:
         return 0
-    for prompt, r in zip(args.prompts, results, strict=True):
+    samples = [(p, r) for p, out in zip(args.prompts, outs, strict=True) for r in _listed(out)]
+    for prompt, r in samples:
         if args.json:
             print(json.dumps({"prompt": prompt, **r.to_dict()}))
             continue
-        if len(results) > 1:
-            print(f"### {prompt}")
+        if len(samples) > 1:
+            print(f"### {prompt}" + (f" (sample {r.sample_index})" if args.n > 1 else ""))
         print(r.text)
+    results = [r for _, r in samples]
     s = results[0].stats
     policy = "FullKV" if s.budget is None else f"{s.method} budget {s.budget}"
     print(
@@ -169,6 +251,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _listed(out) -> list:
+    return out if isinstance(out, list) else [out]
+
+
 def _convert(args: argparse.Namespace) -> int:
     from rkvjax.convert import checkpoint
 
@@ -182,60 +268,59 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _job_settings(args: argparse.Namespace, model: api.Model) -> dict:
-    """The flags that shape a batch job's results, recorded in its output's header."""
+    """The flags that shape a job's results (besides the sampling defaults), kept in its
+    output's header."""
     return {
         "model": str(model.path.resolve()),
         "dtype": model.dtype.__name__,
-        "method": args.method,
-        "budget": _budget(args.budget),
-        "buffer": args.buffer,
-        "think_only": args.think_only,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "stop": args.stop,
-        "ignore_eos": args.ignore_eos,
+        **_cache(args),
         "no_chat": args.no_chat,
     }
 
 
-def _prompt_check(args: argparse.Namespace, model: api.Model):
-    """-> check(prompt), raising ValueError for a prompt the model cannot run with these flags."""
-    chat = False if args.no_chat else None
-
-    def check(prompt) -> None:
-        ids = requests.encode(model.tokenizer, prompt, chat, "prompt")
-        requests.validate_ids(
-            ids,
-            vocab=model.config.vocab_size,
-            max_positions=model.config.max_positions,
-            max_tokens=args.max_new_tokens,
-            max_tokens_name="max_new_tokens",
-        )
-
-    return check
-
-
 def _batch(args: argparse.Namespace) -> int:
-    jobs.preflight(args.input, args.output)  # bad files fail now, not after the model loads
+    defaults = _checked_sampling(args)
+    # Bad lines and files fail now, not after the model loads.
+    jobs.preflight(args.input, args.output, defaults=defaults)
     model = _load(args)
-    ran, skipped = jobs.run_job(
-        _generate_fn(args, model, progress=False),
+    runner = jobs.EngineRunner(
+        model, cache=_cache(args), slots=args.slots, chat=False if args.no_chat else None
+    )
+    summary = jobs.run_job(
+        runner,
         args.input,
         args.output,
-        batch_size=args.batch_size,
-        progress=_progress(args),
+        defaults=defaults,
         settings=_job_settings(args, model),
-        check=_prompt_check(args, model),
+        shard=args.shard,
+        token_ids=args.token_ids,
+        progress=_progress(args),
     )
-    if jax.process_index() != 0:
-        return 0
-    print(
-        f"[rkvjax] {ran} prompts generated, {skipped} already done -> {args.output}",
-        file=sys.stderr,
+    if jax.process_index() == 0:
+        print(_job_line(summary, args.output), file=sys.stderr)
+    return 0
+
+
+def _job_line(summary: dict, output) -> str:
+    """The one-line report of a finished job."""
+    rt = summary["runtime"]
+    line = (
+        f"[rkvjax] {summary['samples_written']} samples written, "
+        f"{summary['samples_already_done']} already done -> {output}"
     )
+    if rt:
+        line += (
+            f" | {summary['requests_run']} requests, {rt['generated_tokens']} tokens, "
+            f"{rt['tokens_per_s']:.1f} tok/s, {rt['compressions']} compressions, "
+            f"{rt['slots']} slots ({rt['slot_occupancy']:.0%} busy) | "
+            f"wall {summary['wall_s']:.1f} s (compile {rt['compile_s']:.1f} s)"
+        )
+    return line + f" | summary {jobs.summary_path(output)}"
+
+
+def _merge(args: argparse.Namespace) -> int:
+    merged, lines = jobs.merge(args.output, args.shards)
+    print(f"[rkvjax] merged {merged} shards, {lines} lines -> {args.output}", file=sys.stderr)
     return 0
 
 
@@ -260,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     xla_flags.prefer_memory_on_cpu()
     try:
+        if args.command == "merge":  # files only: no devices, no model
+            return _merge(args)
         sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
         _enable_compile_cache()
         run = {"batch": _batch, "convert": _convert, "generate": _generate}[args.command]

@@ -141,6 +141,7 @@ class Tokens:
     stalls: jax.Array  # [B] int32
     # Decode chunks only (zeros after an insert): the run's counters.
     kept_rows: jax.Array  # [T, D * lanes] int32 the row each lane compressed (max int = none)
+    kept_num: jax.Array  # [T, D * lanes] int32 tokens that row had emitted when it compressed
     kept: jax.Array  # [T, D * lanes, L, K, budget] int32 (record_kept; [T, 0, 0, 0, 0] else)
     steps: jax.Array  # [] int32 decode steps run
     busy: jax.Array  # [] int32 active row-steps (slot occupancy)
@@ -191,25 +192,11 @@ def forward_logits(model, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     return model.head(x)
 
 
-def init_state(
-    model,
-    *,
-    slots: int,
-    capacity: int,
-    stop_width: int,
-    given_len: int,
-    plan: Plan,
-) -> SlotState:
-    """An empty state of `slots` rows (no request in any), laid out as every call returns it."""
-    return _init_state(
-        model, slots=slots, capacity=capacity, stop_width=stop_width, given_len=given_len, plan=plan
-    )
-
-
 @functools.partial(
     jax.jit, static_argnames=("slots", "capacity", "stop_width", "given_len", "plan")
 )
-def _init_state(model, *, slots, capacity, stop_width, given_len, plan: Plan) -> SlotState:
+def init_state(model, *, slots, capacity, stop_width, given_len, plan: Plan) -> SlotState:
+    """An empty state of `slots` rows (no request in any), laid out as every call returns it."""
     TRACES["init_state"] += 1
     cfg, cc = model.cfg, plan.compression
     dtype = model.embed[...].dtype
@@ -342,6 +329,7 @@ def _empty_tokens(b: int, t: int, v: int, lanes: int, kept_shape, plan: Plan) ->
         peak=jnp.zeros((b,), jnp.int32),
         stalls=jnp.zeros((b,), jnp.int32),
         kept_rows=jnp.full((t, lanes), _NONE, jnp.int32),
+        kept_num=jnp.zeros((t, lanes), jnp.int32),
         kept=jnp.zeros(kept_shape, jnp.int32),
         steps=jnp.zeros((), jnp.int32),
         busy=jnp.zeros((), jnp.int32),
@@ -442,9 +430,18 @@ def insert(
     v = logits.shape[-1]
     out = _empty_tokens(r, 1, v, 0, (1, 0, 0, 0, 0), plan)
     tok, counts, bufs = _next_tokens(
-        logits, new.sampling, num, new.block_ids, new.given, counts, seen, go,
-        num, _row_outputs(out), dataclasses.replace(plan, rules=None),
-    )  # fmt: skip
+        logits,
+        new.sampling,
+        num,
+        new.block_ids,
+        new.given,
+        counts,
+        seen,
+        go,
+        num,
+        _row_outputs(out),
+        dataclasses.replace(plan, rules=None),
+    )
     num = num + 1
     stop = _is_stop(tok, new.stop_ids) & (num >= new.sampling.min_tokens) & (not plan.teacher)
     active = go & ~stop & (num < new.max_tokens)
@@ -493,13 +490,14 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
     fired = jnp.zeros((b,), bool)
     if cc.compressing:
         full = policy.full_rows(cache, cc, s.thinking, s.active)
-        cache, fired, lane_rows, log = policy.compress_lanes(
-            cache, full, cc, lanes=plan.lanes, start=s.step, rules=plan.rules
+        cache, fired, lane_rows, lane_num, log = policy.compress_lanes(
+            cache, full, cc, lanes=plan.lanes, start=s.step, num=s.num, rules=plan.rules
         )
         waiting = full & ~fired
         o = dataclasses.replace(
             o,
             kept_rows=jax.lax.dynamic_update_index_in_dim(o.kept_rows, lane_rows, i, 0),
+            kept_num=jax.lax.dynamic_update_index_in_dim(o.kept_num, lane_num, i, 0),
             kept=jax.lax.dynamic_update_index_in_dim(o.kept, log, i, 0)
             if plan.record_kept
             else o.kept,
@@ -511,9 +509,18 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
     cache = kv.constrain(kv.advance(cache, go), plan.rules)
     logits = model.head(x)[:, 0]  # [B, V]
     tok, counts, bufs = _next_tokens(
-        logits, s.sampling, s.num, s.block_ids, s.given, s.counts, s.seen, go,
-        s.num - num0, _row_outputs(o), plan,
-    )  # fmt: skip
+        logits,
+        s.sampling,
+        s.num,
+        s.block_ids,
+        s.given,
+        s.counts,
+        s.seen,
+        go,
+        s.num - num0,
+        _row_outputs(o),
+        plan,
+    )
     o = dataclasses.replace(o, **bufs)
     num = s.num + go
     stop = _is_stop(tok, s.stop_ids) & (num >= s.sampling.min_tokens) & (not plan.teacher)
@@ -591,7 +598,8 @@ def _constrain_tokens(o: Tokens, plan: Plan) -> Tokens:
     names = (*_ROW_OUT, "active", "compressions", "peak", "stalls")
     fields = {name: _rows(getattr(o, name), rules) for name in names}
     kept_rows = sharding.constrain(o.kept_rows, rules, None, "batch")
+    kept_num = sharding.constrain(o.kept_num, rules, None, "batch")
     kept = o.kept
     if kept.shape[1]:  # [T, D * lanes, L, K, budget]
         kept = sharding.constrain(kept, rules, None, "batch", None, "kv_heads", None)
-    return dataclasses.replace(o, **fields, kept_rows=kept_rows, kept=kept)
+    return dataclasses.replace(o, **fields, kept_rows=kept_rows, kept_num=kept_num, kept=kept)

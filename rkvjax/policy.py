@@ -130,8 +130,9 @@ def compress_lanes(
     *,
     lanes: int,
     start: jax.Array,
+    num: jax.Array | None = None,
     rules: sharding.ShardingRules | None = None,
-) -> tuple[kv.KVCache, jax.Array, jax.Array, jax.Array]:
+) -> tuple[kv.KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Compresses up to `lanes` of the full rows (per data shard) back to `budget` slots.
 
     The chosen rows are gathered into a [lanes]-row block, selected and compacted there, and
@@ -147,16 +148,21 @@ def compress_lanes(
       cc: compression settings (static).
       lanes: rows compressed at most per step and data shard (static).
       start: [] int32 the row that has priority this step (e.g. the global step counter).
+      num: [B] int32 a per-row count to report for the rows the lanes take (the engine passes
+        the tokens each row has emitted); taken where the row lives, so it costs no gather.
       rules: sharding rules when running on a mesh (None: one device).
 
     Returns:
       (cache, fired [B] bool rows compressed, lane_rows [D * lanes] int32 the row each lane
-      compressed (B = none), kept [D * lanes, L, K, budget] int32 the positions each lane's
-      row kept per layer and KV head).
+      compressed (int32 max = none), lane_num [D * lanes] int32 `num` of that row (0 = none),
+      kept [D * lanes, L, K, budget] int32 the positions each lane's row kept per layer and KV
+      head).
     """
+    if num is None:
+        num = jnp.zeros(full.shape, jnp.int32)
     budget, n = cc.budget, len(cache.k)
 
-    def body(ks, vs, sps, qs, full, length, start):  # on a mesh: one device's block
+    def body(ks, vs, sps, qs, full, length, num, start):  # on a mesh: one device's block
         b = full.shape[0]
         offset = 0 if rules is None or rules.batch is None else jax.lax.axis_index(rules.batch) * b
         order = (jnp.arange(b) + start % b) % b  # [B] rows in priority order
@@ -185,7 +191,8 @@ def compress_lanes(
         fired = jnp.zeros((b,), bool).at[rows].set(True, mode="drop")
         log = jnp.stack([sp[jnp.minimum(rows, b - 1), :, :budget] for sp in sps], axis=1)
         lane_rows = jnp.where(rows < b, rows + offset, jnp.iinfo(jnp.int32).max)
-        return ks, vs, sps, length, fired, lane_rows.astype(jnp.int32), log
+        lane_num = jnp.where(rows < b, num[jnp.minimum(rows, b - 1)], 0)
+        return ks, vs, sps, length, fired, lane_rows.astype(jnp.int32), lane_num, log
 
     run = sharding.local(
         body,
@@ -197,6 +204,7 @@ def compress_lanes(
             (kv.QWIN_AXES,) * n,
             kv.ROW_AXES,
             kv.ROW_AXES,
+            kv.ROW_AXES,
             (),
         ),
         (
@@ -206,14 +214,15 @@ def compress_lanes(
             kv.ROW_AXES,
             kv.ROW_AXES,
             kv.ROW_AXES,
+            kv.ROW_AXES,
             ("batch", None, "kv_heads", None),
         ),
     )
-    ks, vs, sps, length, fired, lane_rows, log = run(
-        cache.k, cache.v, cache.slot_pos, cache.q_win, full, cache.length, start
+    ks, vs, sps, length, fired, lane_rows, lane_num, log = run(
+        cache.k, cache.v, cache.slot_pos, cache.q_win, full, cache.length, num, start
     )
     cache = dataclasses.replace(cache, k=ks, v=vs, slot_pos=sps, length=length)
-    return cache, fired, lane_rows, log
+    return cache, fired, lane_rows, lane_num, log
 
 
 def _compress_block(ks, vs, sps, qs, length, cc: CompressionConfig, dtype):

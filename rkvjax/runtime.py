@@ -32,7 +32,9 @@ from rkvjax.requests import Request
 from rkvjax.results import GenerationResult, GenerationStats, RunStats, ScoreResult
 from rkvjax.sampling import SamplerConfig, SamplingParams, SlotSampling
 
-DEFAULT_CHUNK = 16  # decode steps per device call: a freed slot waits at most about two
+# Decode steps per device call. A slot freed during a chunk is refilled after the next one (it
+# is dispatched before the host parses this one), so short chunks keep slots busy.
+DEFAULT_CHUNK = 16
 DEFAULT_STOP_WIDTH = 8  # stop token ids per row (eos included)
 
 
@@ -76,7 +78,7 @@ def _on_mesh(model: Model):
     return contextlib.nullcontext() if model.mesh is None else jax.set_mesh(model.mesh)
 
 
-def put_rows(model: Model, x) -> jax.Array:
+def device_rows(model: Model, x) -> jax.Array:
     """A host [B, ...] array on device: rows split over "data" on a mesh when they divide,
     else replicated."""
     x = np.asarray(x)
@@ -105,7 +107,7 @@ def _tree_bytes(tree) -> int:
 def _draw_seeds(count: int) -> list[int]:
     """Fresh 32-bit seeds for requests without one; the same on every process of a run."""
     seeds = np.array([secrets.randbits(32) for _ in range(count)], np.uint32)
-    if jax.process_count() > 1:
+    if count and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         seeds = np.asarray(multihost_utils.broadcast_one_to_all(seeds))
@@ -158,11 +160,11 @@ class Engine:
         progress: bool = False,
         total: int | None = None,
     ):
-        for name, value, low in (
-            ("slots", slots, 1),
-            ("chunk", chunk, 1),
-            ("stop_width", stop_width, 1),
-        ):
+        optional = {"lanes": lanes, "max_prefill_rows": max_prefill_rows, "max_len": max_len}
+        checks = [("slots", slots, 1), ("chunk", chunk, 1), ("stop_width", stop_width, 1)]
+        checks += [("given_len", given_len, 0)]
+        checks += [(name, v, 1) for name, v in optional.items() if v is not None]
+        for name, value, low in checks:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         cc = cache if cache is not None else CompressionConfig()
@@ -174,7 +176,9 @@ class Engine:
             capacity = cc.capacity
         else:
             if max_len is None:
-                raise ValueError("FullKV needs max_len (cache slots per row: prompt + max_tokens)")
+                raise ValueError(
+                    "FullKV needs max_len (cache slots per row: prompt + max_tokens - 1)"
+                )
             capacity = int(max_len)
         if lanes is None:
             lanes = policy.lane_count(slots, cc, data)
@@ -209,6 +213,7 @@ class Engine:
         self._compile0 = 0.0
         self._batch_peak = 0
         self._live: dict[Any, int] = {}  # id of each request queued or running -> samples left
+        self._next_id = 0  # default request ids: a running number, skipping ids in use
 
     # -- requests -------------------------------------------------------------------------
 
@@ -235,19 +240,39 @@ class Engine:
             [prompt], [sampling], ids=[request_id], continuations=[continuation]
         )[0]
 
-    def submit_many(self, prompts, sampling, *, ids=None, continuations=None) -> list:
-        """`submit` for several requests at once, validated all before any is queued."""
+    def submit_many(self, prompts, sampling=None, *, ids=None, continuations=None) -> list:
+        """`submit` for several requests at once, all validated before any is queued.
+
+        Args:
+          prompts: a list of prompts (or one prompt), as for `submit`.
+          sampling: one SamplingParams for all, or one per prompt (default: greedy).
+          ids: one request id per prompt (None entries: running numbers).
+          continuations: teacher mode: one continuation per prompt.
+
+        Returns:
+          The request ids.
+        """
+        prompts = requests.split_prompts(prompts)[0]
         n = len(prompts)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling] * n
         ids = list(ids) if ids is not None else [None] * n
         conts = list(continuations) if continuations is not None else [None] * n
-        params = list(sampling) if sampling is not None else [None] * n
+        params = list(sampling)
         if not len(ids) == len(conts) == len(params) == n:
-            raise ValueError("one sampling setting, id and continuation per prompt")
-        base = self._counters["submitted"]
+            raise ValueError(
+                f"{n} prompts need one sampling setting, id and continuation each (got "
+                f"{len(params)}, {len(ids)} and {len(conts)})"
+            )
+        taken = set(self._live) | {rid for rid in ids if rid is not None}
         made = []
-        for i, (prompt, sp, rid, cont) in enumerate(zip(prompts, params, ids, conts, strict=True)):
-            rid = base + i if rid is None else rid
-            if rid in self._live or any(r.id == rid for r in made):
+        for prompt, sp, rid, cont in zip(prompts, params, ids, conts, strict=True):
+            if rid is None:
+                while self._next_id in taken:
+                    self._next_id += 1
+                rid = self._next_id
+                taken.add(rid)
+            elif rid in self._live or any(r.id == rid for r in made):
                 raise ValueError(f"request id {rid!r} is already queued or running")
             made.append(self._request(prompt, sp or SamplingParams(temperature=0.0), rid, cont))
         seeds = _draw_seeds(sum(r.sampling.seed is None for r in made))
@@ -262,13 +287,22 @@ class Engine:
         self._live.update((r.id, r.sampling.n) for r in made)
         return [r.id for r in made]
 
-    def _request(self, prompt, sp: SamplingParams, rid, continuation) -> Request:
-        where = f"request {rid!r}"
+    def check(self, prompt, sampling: SamplingParams | None = None, *, where: str = "request"):
+        """Raises the ValueError `submit` would raise for this request (prefixed with `where`),
+        without queuing it: lets a job check every line before any work."""
+        self._request(prompt, sampling or SamplingParams(temperature=0.0), None, None, where)
+
+    def _request(self, prompt, sp: SamplingParams, rid, continuation, where=None) -> Request:
+        where = where or f"request {rid!r}"
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"{where}: sampling must be a SamplingParams, got {type(sp).__name__}")
         model, cfg, cc = self.model, self.model.config, self.compression
         ids = requests.encode(model.tokenizer, prompt, self._chat, where)
         if continuation is not None:
+            if not self.plan.teacher:
+                raise ValueError(
+                    f"{where}: a continuation needs a scoring engine (Engine(teacher=True))"
+                )
             continuation = tuple(int(t) for t in continuation)
             if not continuation:
                 raise ValueError(f"{where}: an empty continuation has nothing to score")
@@ -312,9 +346,12 @@ class Engine:
             )
         if sp.uses_penalties and not self.plan.sampler.penalties:
             raise ValueError(f"{where}: penalties need Engine(penalties=True)")
+        if continuation is not None:
+            return req  # teacher forcing: nothing is sampled or stopped
         if sp.stop and model.tokenizer is None:
             raise ValueError(f"{where}: stop strings need a tokenizer; use stop_token_ids")
-        stop_ids = sp.min_tokens_stop_ids(self._stop_ids(sp, where) + model.eos_token_ids)
+        self._stop_ids(sp, where)  # checks the ids against the vocabulary
+        stop_ids = sp.min_tokens_stop_ids(model.eos_token_ids)
         if len(stop_ids) > self._stop_width:
             raise ValueError(
                 f"{where}: {len(stop_ids)} stop token ids (end-of-sequence included) exceed "
@@ -389,13 +426,7 @@ class Engine:
                     )
                 elif name == "compress":
                     full = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)
-                    fn = jax.jit(
-                        lambda c, f: policy.compress_lanes(
-                            c, f, self.compression, lanes=self.plan.lanes, start=jnp.int32(0),
-                            rules=self.plan.rules,
-                        )
-                    )  # fmt: skip
-                    lowered = fn.lower(state.cache, full)
+                    lowered = jax.jit(self._compress_step).lower(state.cache, full)
                 else:
                     raise ValueError(f"unknown part {name!r}: decode, prefill or compress")
                 ma = lowered.compile().memory_analysis()
@@ -405,12 +436,16 @@ class Engine:
                     "alias_bytes": ma.alias_size_in_bytes,
                     "temp_bytes": ma.temp_size_in_bytes,
                 }
-                part["peak_bytes"] = (
-                    part["argument_bytes"] + part["output_bytes"] - part["alias_bytes"]
-                    + part["temp_bytes"]
-                )  # fmt: skip
+                part["peak_bytes"] = sum(part.values()) - 2 * part["alias_bytes"]
                 out[name] = part
         return out
+
+    def _compress_step(self, cache, full):
+        """One step of this engine's compression lanes (for `memory_analysis`)."""
+        plan = self.plan
+        return policy.compress_lanes(
+            cache, full, self.compression, lanes=plan.lanes, start=jnp.int32(0), rules=plan.rules
+        )
 
     # -- driving the device ---------------------------------------------------------------
 
@@ -444,7 +479,7 @@ class Engine:
         with _on_mesh(self.model):
             self._ensure_state()
             self._admit()  # requests submitted since the last round, into slots known free
-            busy = any(s is not None and not s.finished for s in self._owner)
+            busy = any(s is not None for s in self._owner)
             if busy:
                 self._dispatch_chunk()
             finished = []
@@ -480,7 +515,7 @@ class Engine:
         if rows:
             mask = np.zeros(self.slots, bool)
             mask[rows] = True
-            self._state = engine.release(self._state, put_rows(self.model, mask), plan=self.plan)
+            self._state = engine.release(self._state, device_rows(self.model, mask), plan=self.plan)
 
     def _admit(self) -> None:
         """Fills free slots from the queue: a prompt prefilled earlier whose other samples are
@@ -529,8 +564,8 @@ class Engine:
         self._counters["prompt_tokens"] += sum(len(q.prompt_token_ids) for q in reqs)
         return engine.prefill(
             model.decoder,
-            put_rows(model, tokens),
-            put_rows(model, positions),
+            device_rows(model, tokens),
+            device_rows(model, positions),
             capacity=self.capacity,
             plan=self.plan,
         )
@@ -567,13 +602,14 @@ class Engine:
         given = np.zeros((r, self._given_len), np.int32)
         eos = self.model.eos_token_ids
         for i, q in enumerate(reqs):
+            max_tokens[i] = q.max_tokens
+            if q.continuation is not None:  # teacher forcing: no stop ids
+                given[i, : len(q.continuation)] = q.continuation
+                continue
             ids = self._stop_ids(q.sampling)
             stop[i, : len(ids)] = ids
             ids = q.sampling.min_tokens_stop_ids(eos)
             block[i, : len(ids)] = ids
-            max_tokens[i] = q.max_tokens
-            if q.continuation is not None:
-                given[i, : len(q.continuation)] = q.continuation
         rows = SlotSampling.from_params([q.sampling for q in reqs], batch=r, sample_indices=indices)
         new = engine.NewRows(
             max_tokens=max_tokens, stop_ids=stop, block_ids=block, sampling=rows, given=given
@@ -597,6 +633,7 @@ class Engine:
         for r, s in enumerate(samples):
             s.ttft = (now - s.submitted) - (comp - s.compile_at_submit)
             s.compressions = int(out.compressions[r])
+            s.peak = int(out.peak[r])
             if kept is not None and s.compressions:
                 s.kept.append(kept[src[r]])
             self._take(s, out, r)
@@ -614,19 +651,27 @@ class Engine:
         self._counters["busy"] += int(out.busy)
         self._counters["fired"] += int(out.fired)
         self._counters["stalled"] += int(out.stalled)
+        live = [s is not None and not s.finished for s in owners]  # before this chunk's tokens
+        for b, s in enumerate(owners):
+            if live[b]:
+                s.peak, s.stalls = int(out.peak[b]), int(out.stalls[b])
+                self._take(s, out, b)
         for t in range(steps):  # compressions in step order
             for lane, row in enumerate(out.kept_rows[t]):
-                s = owners[row] if row < self.slots else None
-                if s is not None and not s.finished:
-                    s.compressions += 1
+                # A row cut by a stop string may compress again before the device stops it:
+                # only compressions before its last kept token are the sample's.
+                if (
+                    row < self.slots
+                    and live[row]
+                    and out.kept_num[t, lane] < len(owners[row].tokens)
+                ):
+                    owners[row].compressions += 1
                     if out.kept.shape[1]:
-                        s.kept.append(out.kept[t, lane])
+                        owners[row].kept.append(out.kept[t, lane])
         done = []
         for b, s in enumerate(owners):
-            if s is None or s.finished:
+            if not live[b]:
                 continue
-            s.peak, s.stalls = int(out.peak[b]), int(out.stalls[b])
-            self._take(s, out, b)
             if not out.active[b] and not s.finished:
                 self._finish(s, out, b)
             if s.finished:
@@ -647,8 +692,9 @@ class Engine:
         s.tokens += new
         if out.logprob.shape[1]:
             s.logprobs += out.logprob[b, :n].tolist()
-        if out.top_ids.shape[1]:
-            ids, lps = out.top_ids[b, :n], out.top_logprobs[b, :n]
+        want = s.request.sampling.logprobs
+        if want is not None:  # the engine keeps the most any request asks for: cut to this one's
+            ids, lps = out.top_ids[b, :n, :want], out.top_logprobs[b, :n, :want]
             s.top += [
                 list(zip(i.tolist(), p.tolist(), strict=True))
                 for i, p in zip(ids, lps, strict=True)
@@ -674,7 +720,6 @@ class Engine:
                 self._owner[b] = None
                 if release:
                     self._release.add(b)
-        self._counters["finished"] += 1
         self._counters["generated"] += len(s.tokens)
         rid = s.request.id
         self._live[rid] -= 1
@@ -734,6 +779,11 @@ class Engine:
     # -- reporting ------------------------------------------------------------------------
 
     @property
+    def busy_slots(self) -> int:
+        """Slots holding a request now."""
+        return sum(s is not None for s in self._owner)
+
+    @property
     def stats(self) -> RunStats:
         """The run's counters so far."""
         c = self._counters
@@ -769,7 +819,7 @@ class Engine:
             self._bar.total = self._counters["samples"]
         self._bar.update(len(finished))
         st = self.stats
-        busy = sum(s is not None for s in self._owner)
+        busy = self.busy_slots
         self._bar.set_postfix(
             tok_s=f"{st.tokens_per_s:.1f}",
             comp_s=f"{st.compressions / max(st.wall_s - st.compile_s, 1e-9):.1f}",

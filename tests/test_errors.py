@@ -67,14 +67,19 @@ def test_qwen_sliding_window_layer_types_rejected():
         parse_hf_config(raw)
 
 
+_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+}
+
+
 def test_transformers4_rope_keys_accepted():
     raw = {
-        "model_type": "llama",
-        "vocab_size": 10,
-        "hidden_size": 8,
-        "intermediate_size": 16,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
+        **_LLAMA,
         "rope_theta": 5e5,
         "rope_scaling": {
             "rope_type": "llama3",
@@ -164,14 +169,6 @@ def test_bad_logits_and_load_arguments(model, folder):
         rkvjax.load(folder, dtype="float16")
 
 
-_LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 10,
-    "hidden_size": 8,
-    "intermediate_size": 16,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-}
 _LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,

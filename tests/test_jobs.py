@@ -1,7 +1,9 @@
 """Offline JSONL jobs: results match generate, reruns resume, interrupted work is not lost, and
-files the job must not touch (the input, foreign files, another job's output) are refused."""
+files the job must not touch (the input, foreign files, another job's output) are refused.
 
-import functools
+Most tests run the job on a stand-in runner (`_Echo`), so they exercise the file handling in
+milliseconds; the tests named `*_engine_*` or `test_cli_*` run the real engine on a tiny model."""
+
 import json
 import os
 import signal
@@ -16,9 +18,10 @@ from jax.experimental import multihost_utils
 
 import rkvjax
 from rkvjax import cli, jobs
+from rkvjax.jobs import openai_batch, output
 
 ROOT = Path(__file__).resolve().parents[1]
-_HEADER = b'{"rkvjax_job": 1, "settings": {}}\n'  # a job header: format 1, no settings
+_HEADER = b'{"rkvjax_job": 2, "settings": {}}\n'  # a job header: this format, no settings
 
 
 def _write_jsonl(path, rows):
@@ -32,19 +35,49 @@ def _read_results(path):
     return [json.loads(line) for line in lines]
 
 
-class _Result:
-    def __init__(self, prompt):
-        self.prompt = prompt
-
-    def to_dict(self):
-        return {"text": str(self.prompt).upper()}
+def _settings(path):
+    return json.loads(path.read_text().splitlines()[0])["settings"]
 
 
-def _echo(prompts):
-    return [_Result(p) for p in prompts]
+def _record(request, j):
+    return {
+        "sample_index": j,
+        "text": str(request.prompt).upper(),
+        "finish_reason": "length",
+        "prompt_tokens": 1,
+        "completion_tokens": request.sampling.max_tokens,
+        "token_ids": [j],
+    }
 
 
-_never = functools.partial(pytest.fail, "generate must not run")
+class _Echo(jobs.Runner):
+    """Answers each request with its prompt in capitals, samples in order; optionally fails
+    after `crash_after` samples."""
+
+    def __init__(self, crash_after=None):
+        self.crash_after, self.seen = crash_after, []
+
+    def run(self, reqs):
+        for r in reqs:
+            for j in range(r.n):
+                if self.crash_after is not None and len(self.seen) == self.crash_after:
+                    raise _Crash
+                self.seen.append((r.id, j))
+                yield r, _record(r, j)
+
+
+class _Never(jobs.Runner):
+    def run(self, reqs):
+        pytest.fail("the job must not generate anything")
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def _run(runner, src, dst, **kw):
+    kw.setdefault("progress", False)
+    return jobs.run_job(runner, src, dst, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -52,37 +85,54 @@ def tiny(tiny_checkpoint):
     return tiny_checkpoint("llama")[0]
 
 
+# -- the real engine -------------------------------------------------------------------------
+
+
 def test_cli_batch_matches_generate_and_resumes(tiny, tmp_path, capsys):
     prompts = [{"id": f"p{i}", "prompt_token_ids": [3 + i, 5, 7, 11 + i]} for i in range(5)]
+    prompts[4]["n"] = 2  # greedy: two identical samples
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, prompts[:3])
-    argv = ["batch", str(src), str(dst), "--model", str(tiny), "--batch-size", "2"]
+    argv = ["batch", str(src), str(dst), "--model", str(tiny), "--slots", "2", "--token-ids"]
     argv += ["--max-new-tokens", "6", "--ignore-eos", "--no-progress"]
     assert cli.main(argv) == 0
     _write_jsonl(src, prompts)  # two more prompts arrive; the first three are done
+    capsys.readouterr()
     assert cli.main(argv) == 0
-    assert "2 prompts generated, 3 already done" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "3 samples written, 3 already done" in err and err.count("\n") == 1
     out = _read_results(dst)
-    assert [r["id"] for r in out] == [p["id"] for p in prompts]
+    assert sorted((r["id"], r["sample_index"]) for r in out) == [
+        *[(f"p{i}", 0) for i in range(4)],
+        ("p4", 0),
+        ("p4", 1),
+    ]
     model = rkvjax.load(tiny)
     want = rkvjax.generate(
         model, [p["prompt_token_ids"] for p in prompts], max_new_tokens=6, ignore_eos=True
     )
-    assert [r["token_ids"] for r in out] == [w.token_ids for w in want]
+    got = {(r["id"], r["sample_index"]): r for r in out}
+    for i, w in enumerate(want):
+        assert got[f"p{i}", 0]["token_ids"] == w.token_ids
+        assert got[f"p{i}", 0]["completion_tokens"] == 6
+    assert got["p4", 1]["token_ids"] == want[4].token_ids
+    summary = json.loads(jobs.summary_path(dst).read_text())
+    assert summary["samples_written"] == 3 and summary["samples_already_done"] == 3
+    assert summary["runtime"]["generated_tokens"] == 18 and summary["requests"] == 5
 
 
 def test_cli_batch_refuses_other_settings_and_checks_rows_before_work(tiny, tmp_path, capsys):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"id": "a", "prompt_token_ids": [3, 5, 7]}])
-    argv = ["batch", str(src), str(dst), "--model", str(tiny), "--batch-size", "1"]
+    argv = ["batch", str(src), str(dst), "--model", str(tiny), "--slots", "1"]
     argv += ["--ignore-eos", "--no-progress"]
     assert cli.main([*argv, "--max-new-tokens", "4"]) == 0
-    settings = json.loads(dst.read_text().splitlines()[0])["settings"]
-    assert settings["max_new_tokens"] == 4 and settings["model"] == str(tiny.resolve())
+    settings = _settings(dst)
+    assert settings["max_tokens"] == 4 and settings["model"] == str(tiny.resolve())
     capsys.readouterr()
     assert cli.main([*argv, "--max-new-tokens", "5"]) == 2
     err = capsys.readouterr().err
-    assert "max_new_tokens=4 in the file, 5 now" in err and "another output path" in err
+    assert "max_tokens=4 in the file, 5 now" in err and "another output path" in err
     assert err.count("\n") == 1
     config = rkvjax.load(tiny).config
     rows = [{"id": "a", "prompt_token_ids": [3, 5, 7]}, {"id": "b", "prompt_token_ids": [4]}]
@@ -94,7 +144,7 @@ def test_cli_batch_refuses_other_settings_and_checks_rows_before_work(tiny, tmp_
     err = capsys.readouterr().err
     assert err == (
         f"rkvjax: error: {src}:3 (id 'long'): {config.max_positions - 3} prompt tokens + "
-        f"max_new_tokens=4 exceed the model's {config.max_positions} positions "
+        f"max_tokens=4 exceed the model's {config.max_positions} positions "
         "(1 more line fails too)\n"
     )
     assert dst.read_bytes() == before  # "b" was not generated either
@@ -105,80 +155,193 @@ def test_cli_batch_refuses_other_settings_and_checks_rows_before_work(tiny, tmp_
     assert dst.read_bytes() == before
 
 
-def test_cli_checks_files_before_loading_the_model(tmp_path, capsys):
+def test_engine_job_honours_per_request_settings(tiny, tmp_path):
+    """A line's sampling fields override the job's defaults; an unseeded sampled request gets
+    the seed `request_seed(job seed, id)`, so its tokens equal generate with that seed."""
+    rows = [
+        {"id": "short", "prompt_token_ids": [3, 5, 7, 9], "max_tokens": 3},
+        {"id": "hot", "prompt_token_ids": [4, 6, 8], "temperature": 0.9, "top_p": 0.8},
+        {"id": "seeded", "prompt_token_ids": [4, 6, 8], "temperature": 0.9, "seed": 7, "n": 2},
+        {"id": "plain", "prompt_token_ids": [2, 3, 4, 5, 6]},
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, rows)
+    model = rkvjax.load(tiny)
+    defaults = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "seed": 11}
+    runner = jobs.EngineRunner(model, cache={"method": "full"}, slots=2)
+    _run(runner, src, dst, defaults=defaults, token_ids=True)
+    got = {(r["id"], r["sample_index"]): r["token_ids"] for r in _read_results(dst)}
+    sp = rkvjax.SamplingParams
+    want = {
+        "short": sp(temperature=0.0, max_tokens=3, ignore_eos=True),
+        "hot": sp(
+            temperature=0.9,
+            top_p=0.8,
+            max_tokens=8,
+            ignore_eos=True,
+            seed=jobs.request_seed(11, "hot"),
+        ),
+        "seeded": sp(temperature=0.9, seed=7, n=2, max_tokens=8, ignore_eos=True),
+        "plain": sp(temperature=0.0, max_tokens=8, ignore_eos=True),
+    }
+    outs = rkvjax.generate(model, [r["prompt_token_ids"] for r in rows], sampling=[*want.values()])
+    assert len(got["short", 0]) == 3 and len(got["plain", 0]) == 8
+    for row, out in zip(rows, outs, strict=True):
+        for res in out if isinstance(out, list) else [out]:
+            assert got[row["id"], res.sample_index] == res.token_ids, row["id"]
+    assert got["seeded", 0] != got["seeded", 1]  # two draws of one prompt
+
+
+def test_engine_job_answers_openai_batch_lines(tiny, tmp_path):
+    """OpenAI batch lines in, the OpenAI batch output shape out: every sample a choice of one
+    response, logprobs when asked, usage summed."""
+    lines = [
+        {
+            "custom_id": "req-1",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": [3, 5, 7, 9], "max_tokens": 4, "logprobs": 2},
+        },
+        {
+            "custom_id": "req-2",
+            "url": "/v1/completions",
+            "body": {"prompt": [4, 6, 8], "max_tokens": 3, "n": 2, "temperature": 0.0},
+        },
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, lines)
+    model = rkvjax.load(tiny)
+    runner = jobs.EngineRunner(model, cache={"method": "full"}, slots=2)
+    _run(runner, src, dst, defaults={"temperature": 0.0, "ignore_eos": True})
+    out = {r["custom_id"]: r for r in _read_results(dst)}
+    assert set(out) == {"req-1", "req-2"}
+    first = out["req-1"]
+    assert first["id"].startswith("batch_req_") and first["error"] is None
+    body = first["response"]["body"]
+    assert first["response"]["status_code"] == 200 and body["object"] == "text_completion"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["tokens"]) == 4
+    want = rkvjax.generate(
+        model,
+        [3, 5, 7, 9],
+        sampling=rkvjax.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2),
+    )
+    assert choice["logprobs"]["tokens"] == [str(t) for t in want.token_ids]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs)
+    assert [len(t) for t in choice["logprobs"]["top_logprobs"]] == [2] * 4
+    second = out["req-2"]["response"]["body"]
+    assert [c["index"] for c in second["choices"]] == [0, 1]
+    assert second["choices"][0]["text"] == second["choices"][1]["text"]
+    assert second["usage"]["completion_tokens"] == 6
+
+
+# `rkvjax batch IN OUT` on the tiny model, as a user runs it; the test kills it.
+_ENGINE_JOB = [sys.executable, "-m", "rkvjax.cli", "batch"]
+
+
+def _key(r):
+    return r["id"], r["sample_index"]
+
+
+def _timeless(results):
+    """Result lines without their timings, in (id, sample) order."""
+    drop = ("time_to_first_token_s",)
+    return sorted(({k: v for k, v in r.items() if k not in drop} for r in results), key=_key)
+
+
+def _lines(path):
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def test_engine_job_killed_mid_run_resumes_to_the_uninterrupted_result(tiny, tmp_path):
+    """SIGKILL while results are being written, then the same command again: every (id, sample
+    index) exactly once, equal (greedy) to a job that was never interrupted."""
+    rows = [{"id": i, "prompt_token_ids": [3 + i, *range(5, 14)]} for i in range(12)]
+    for r in rows[::3]:
+        r["n"] = 2
     src = tmp_path / "in.jsonl"
-    _write_jsonl(src, [{"prompt": "a"}])
-    dst = tmp_path / "missing" / "out.jsonl"
-    assert cli.main(["batch", str(src), str(dst), "--model", str(tmp_path / "no_model")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("rkvjax: error: ") and err.count("\n") == 1
-    assert f"folder {dst.parent} does not exist" in err
+    _write_jsonl(src, rows)
+    flags = ["--model", str(tiny), "--slots", "2", "--max-new-tokens", "48", "--ignore-eos"]
+    flags += ["--method", "rkv", "--budget", "16", "--buffer", "8", "--token-ids", "--no-progress"]
+    whole = tmp_path / "whole.jsonl"
+    assert cli.main(["batch", str(src), str(whole), *flags]) == 0
+    dst = tmp_path / "out.jsonl"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RKVJAX_COMPILE_CACHE": "0"}
+    job = subprocess.Popen(
+        [*_ENGINE_JOB, str(src), str(dst), *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 120
+    while _lines(dst) < 4 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # the header and a few results
+    job.send_signal(signal.SIGKILL)
+    err = job.communicate()[1]
+    assert job.returncode == -signal.SIGKILL, err.decode()
+    assert 3 <= len(_read_results(dst)) < 16  # killed with work left
+    assert cli.main(["batch", str(src), str(dst), *flags]) == 0
+    key = _key
+    got, want = _read_results(dst), _read_results(whole)
+    assert len(got) == len({key(r) for r in got}) == 16
+    assert _timeless(got) == _timeless(want)
 
 
-@pytest.mark.parametrize("command", ["batch", "generate"])
-def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, monkeypatch, capsys, command):
-    def interrupted(args):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(cli, f"_{command}", interrupted)
-    out = tmp_path / "out.jsonl"
-    argv = ["batch", "in.jsonl", str(out)] if command == "batch" else ["generate", "hi"]
-    try:
-        assert cli.main(argv) == 130
-    except KeyboardInterrupt:
-        pytest.fail("KeyboardInterrupt escaped rkvjax.cli.main")
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("rkvjax: interrupted")
-    if command == "batch":
-        assert f"finished results are in {out}, rerun the same command to resume" in err
+# -- the file: resume, crashes and kills -----------------------------------------------------
 
 
-class _Crash(RuntimeError):
-    pass
-
-
-def test_crash_keeps_finished_batches_and_torn_line_is_dropped(tmp_path):
+def test_crash_keeps_finished_samples_and_torn_line_is_dropped(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": f"q{i}"} for i in range(6)])
-    ids = [r.id for r in jobs.read_prompts(src)]
-    calls = []
-
-    def flaky(prompts):
-        calls.append(list(prompts))
-        if len(calls) == 2:
-            raise _Crash
-        return _echo(prompts)
-
+    ids = [r.id for r in jobs.read_requests(src)]
     with pytest.raises(_Crash):
-        jobs.run_job(flaky, src, dst, batch_size=2, progress=False)
-    assert [r["id"] for r in _read_results(dst)] == ids[:2]  # the first batch survived
+        _run(_Echo(crash_after=2), src, dst)
+    assert [r["id"] for r in _read_results(dst)] == ids[:2]  # each sample is written at once
     with open(dst, "a") as f:
         f.write(f'{{"id": "{ids[2]}", "te')  # a write torn by a crash mid-line
-    ran, skipped = jobs.run_job(flaky, src, dst, batch_size=2, progress=False)
-    assert (ran, skipped) == (4, 2)
+    summary = _run(_Echo(), src, dst)
+    assert (summary["samples_written"], summary["samples_already_done"]) == (4, 2)
     rows = _read_results(dst)
     assert [r["id"] for r in rows] == ids
     assert rows[2]["text"] == "Q2"
 
 
-# `rkvjax batch IN OUT` with a generate that takes 0.3 s a batch instead of a model.
+@pytest.mark.parametrize("left", [b"", b'{"rkvjax_j', _HEADER[:-1], _HEADER + b'{"id": "x", "s'])
+def test_kill_during_the_first_write_reruns_cleanly(tmp_path, left):
+    """A job killed while creating its output (empty, a header cut short, a first result cut
+    short): the same command again writes every sample once."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": "x", "prompt": "a"}, {"id": "y", "prompt": "b", "n": 2}])
+    dst.write_bytes(left)
+    _run(_Echo(), src, dst)
+    got = sorted((r["id"], r["sample_index"]) for r in _read_results(dst))
+    assert got == [("x", 0), ("y", 0), ("y", 1)]
+
+
+def test_rerun_writes_only_the_missing_samples_of_a_request(tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": "a", "prompt": "a", "n": 3}, {"id": "b", "prompt": "b"}])
+    with pytest.raises(_Crash):
+        _run(_Echo(crash_after=1), src, dst)
+    assert [(r["id"], r["sample_index"]) for r in _read_results(dst)] == [("a", 0)]
+    summary = _run(_Echo(), src, dst)
+    assert summary["samples_written"] == 3 and summary["samples_already_done"] == 0
+    got = [(r["id"], r["sample_index"]) for r in _read_results(dst)]
+    assert sorted(got) == [("a", 0), ("a", 1), ("a", 2), ("b", 0)] and len(got) == 4
+
+
+# A job whose runner takes 0.1 s per sample instead of a model.
 _SLOW_JOB = """
 import sys, time
 from rkvjax import cli, jobs
 
-class Result:
-    def __init__(self, prompt):
-        self.prompt = prompt
-
-    def to_dict(self):
-        return {"text": self.prompt.upper()}
-
-def slow(prompts):
-    time.sleep(0.3)
-    return [Result(p) for p in prompts]
+class Slow(jobs.Runner):
+    def run(self, reqs):
+        for r in reqs:
+            time.sleep(0.1)
+            yield r, {"sample_index": 0, "text": r.prompt.upper(), "finish_reason": "length",
+                      "prompt_tokens": 1, "completion_tokens": 1, "token_ids": [1]}
 
 def batch(args):
-    jobs.run_job(slow, args.input, args.output, batch_size=2, progress=False)
+    jobs.run_job(Slow(), args.input, args.output, progress=False)
     return 0
 
 cli._batch = batch
@@ -186,25 +349,21 @@ sys.exit(cli.main(["batch", *sys.argv[1:]]))
 """
 
 
-def _lines(path):
-    return path.read_bytes().count(b"\n") if path.exists() else 0
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_stopped_job_reruns_to_every_id_exactly_once(tmp_path, sig):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    _write_jsonl(src, [{"prompt": f"q{i}"} for i in range(8)])
+    _write_jsonl(src, [{"prompt": f"q{i}"} for i in range(12)])
     cmd = [sys.executable, "-c", _SLOW_JOB, str(src), str(dst)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "RKVJAX_COMPILE_CACHE": "0"}
     job = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while _lines(dst) < 3 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # wait for the header and the first batch
+        time.sleep(0.01)  # wait for the header and the first results
     try:
         assert job.poll() is None, job.stderr.read()
         # A second job (this process) on the output of a running one is refused.
         with pytest.raises(ValueError, match="another rkvjax batch job is writing it"):
-            jobs.run_job(_never, src, dst, progress=False)
+            _run(_Never(), src, dst)
     finally:
         job.send_signal(sig)
         err = job.communicate()[1]
@@ -214,24 +373,28 @@ def test_stopped_job_reruns_to_every_id_exactly_once(tmp_path, sig):
             f"rkvjax: interrupted; finished results are in {dst}, rerun the same command to "
             "resume\n"
         )
-    assert len(_read_results(dst)) < 8
+    assert len(_read_results(dst)) < 12
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
     ids = [r["id"] for r in _read_results(dst)]
-    assert sorted(ids) == sorted(r.id for r in jobs.read_prompts(src))
+    assert sorted(ids) == sorted(r.id for r in jobs.read_requests(src))
 
 
 def test_second_job_on_the_same_output_is_refused(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": "a"}, {"prompt": "b"}])
 
-    def generate_and_start_another(prompts):
-        with pytest.raises(ValueError, match=f"{dst}: another rkvjax batch job is writing it"):
-            jobs.run_job(_never, src, dst, progress=False)
-        return _echo(prompts)
+    class StartsAnother(_Echo):
+        def run(self, reqs):
+            with pytest.raises(ValueError, match=f"{dst}: another rkvjax batch job is writing"):
+                _run(_Never(), src, dst)
+            yield from super().run(reqs)
 
-    assert jobs.run_job(generate_and_start_another, src, dst, progress=False) == (2, 0)
-    assert jobs.run_job(_never, src, dst, progress=False) == (0, 2)  # the lock was released
+    assert _run(StartsAnother(), src, dst)["samples_written"] == 2
+    assert _run(_Never(), src, dst)["samples_already_done"] == 2  # the lock was released
     assert len(_read_results(dst)) == 2
+
+
+# -- files the job must not touch ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -248,16 +411,17 @@ def test_output_without_a_job_header_is_refused_untouched(tmp_path, content):
     _write_jsonl(src, [{"id": 1, "prompt": "a"}, {"id": 3, "prompt": "b"}])
     dst.write_bytes(content)
     with pytest.raises(ValueError, match=f"{dst}: exists and is not an rkvjax batch output"):
-        jobs.run_job(_never, src, dst, progress=False)
+        _run(_Never(), src, dst)
     assert dst.read_bytes() == content
 
 
 def test_other_job_format_is_refused(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": "a"}])
-    dst.write_text(json.dumps({jobs.HEADER_KEY: 99, "settings": {}}) + "\n")
-    with pytest.raises(ValueError, match="job format 99"):
-        jobs.run_job(_never, src, dst, progress=False)
+    for old in (1, 99):
+        dst.write_text(json.dumps({jobs.HEADER_KEY: old, "settings": {}}) + "\n")
+        with pytest.raises(ValueError, match=f"job format {old}"):
+            _run(_Never(), src, dst)
 
 
 @pytest.mark.parametrize("link", ["same path", "symlink", "hard link"])
@@ -271,50 +435,153 @@ def test_input_as_output_is_refused_untouched(tmp_path, link):
     elif link == "hard link":
         dst.hardlink_to(src)
     with pytest.raises(ValueError, match="is the input file itself"):
-        jobs.run_job(_never, src, dst, progress=False)
+        _run(_Never(), src, dst)
     assert src.read_bytes() == before
+
+
+def test_summary_is_written_beside_the_output_and_never_over_a_foreign_file(tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"prompt": "a"}, {"prompt": "b", "max_tokens": 3}])
+    summary = _run(_Echo(), src, dst)
+    path = tmp_path / "out.summary.json"
+    assert jobs.summary_path(dst) == path
+    on_disk = json.loads(path.read_text())
+    assert on_disk["samples_written"] == summary["samples_written"] == 2
+    assert on_disk["generated_tokens"] == 256 + 3 and on_disk["finish_reasons"] == {"length": 2}
+    other = tmp_path / "other.jsonl"
+    notes = tmp_path / "other.summary.json"
+    notes.write_text("my notes")
+    with pytest.raises(ValueError, match="is not an rkvjax job summary"):
+        _run(_Never(), src, other)
+    with pytest.raises(ValueError, match="is not an rkvjax job summary"):
+        jobs.preflight(src, other)
+    assert notes.read_text() == "my notes" and not other.exists()
 
 
 def test_rerun_with_other_settings_is_refused(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": "a"}, {"prompt": "b"}])
-    settings = {"model": "m", "max_new_tokens": 4, "method": "rkv"}
-    assert jobs.run_job(_echo, src, dst, batch_size=1, progress=False, settings=settings) == (2, 0)
+    settings = {"model": "m", "method": "rkv"}
+    defaults = {"temperature": 0.0, "max_tokens": 4}
+    _run(_Echo(), src, dst, settings=settings, defaults=defaults)
     _write_jsonl(src, [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}])
     before = dst.read_bytes()
-    other = {**settings, "max_new_tokens": 8, "method": "snapkv"}
     with pytest.raises(ValueError) as e:
-        jobs.run_job(_never, src, dst, progress=False, settings=other)
-    diff = 'max_new_tokens=4 in the file, 8 now; method="rkv" in the file, "snapkv" now'
+        _run(
+            _Never(),
+            src,
+            dst,
+            settings={**settings, "method": "snapkv"},
+            defaults={**defaults, "max_tokens": 8},
+        )
+    diff = 'method="rkv" in the file, "snapkv" now; max_tokens=4 in the file, 8 now'
     assert diff in str(e.value) and "pick another output path for a new job" in str(e.value)
     assert dst.read_bytes() == before
-    assert jobs.run_job(_echo, src, dst, progress=False, settings=dict(settings)) == (1, 2)
+    summary = _run(_Echo(), src, dst, settings=dict(settings), defaults=dict(defaults))
+    assert (summary["samples_written"], summary["samples_already_done"]) == (1, 2)
 
 
 def test_output_without_results_takes_the_new_settings(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": "a"}])
 
-    def too_long(prompt):
-        raise ValueError("too long")
+    class TooLong(_Never):
+        def check(self, request, where):
+            raise ValueError(f"{where}: too long")
 
     with pytest.raises(ValueError, match="too long"):
-        jobs.run_job(_never, src, dst, progress=False, settings={"n": 1}, check=too_long)
-    assert jobs.run_job(_echo, src, dst, progress=False, settings={"n": 2}) == (1, 0)
-    assert json.loads(dst.read_text().splitlines()[0])["settings"] == {"n": 2}
+        _run(TooLong(), src, dst, settings={"k": 1})
+    _run(_Echo(), src, dst, settings={"k": 2})
+    assert _settings(dst)["k"] == 2
 
 
 def test_default_ids_follow_the_prompt_through_edits(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": "a"}, {"prompt": "b"}, {"prompt_token_ids": [1, 2]}])
-    assert jobs.run_job(_echo, src, dst, progress=False) == (3, 0)
+    _run(_Echo(), src, dst)
     # A prompt inserted at the top and another removed: the others keep their ids.
     _write_jsonl(src, [{"prompt": "new"}, {"prompt": "a"}, {"prompt_token_ids": [1, 2]}])
-    assert jobs.run_job(_echo, src, dst, progress=False) == (1, 2)
+    assert _run(_Echo(), src, dst)["samples_written"] == 1
     texts = {r["id"]: r["text"] for r in _read_results(dst)}
-    rows = jobs.read_prompts(src)
+    rows = jobs.read_requests(src)
     assert [texts[r.id] for r in rows] == ["NEW", "A", "[1, 2]"]
     assert rows[1].id == jobs.default_id({"prompt": "a"}) and len(rows[1].id) == 16
+
+
+def test_line_settings_override_the_defaults_and_seeds_follow_the_id(tmp_path):
+    src = tmp_path / "in.jsonl"
+    lines = [
+        {"id": "a", "prompt": "x", "temperature": 0.7, "stop": "##", "max_tokens": 9},
+        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "seed": 5},
+        {"id": "c", "prompt_token_ids": [1, 2], "n": 3, "logprobs": 2},
+    ]
+    _write_jsonl(src, lines)
+    a, b, c = jobs.read_requests(src, {"temperature": 0.0, "max_tokens": 4, "seed": 1})
+    assert (a.sampling.temperature, a.sampling.max_tokens, a.sampling.stop) == (0.7, 9, ("##",))
+    assert a.sampling.seed == jobs.request_seed(1, "a") != jobs.request_seed(1, "c")
+    assert b.sampling.seed == 5 and b.prompt == lines[1]["messages"]
+    assert (c.n, c.sampling.logprobs, c.sampling.max_tokens) == (3, 2, 4)
+    _write_jsonl(src, [lines[1], lines[0]])  # another line order: the same seeds
+    assert jobs.read_requests(src, {"seed": 1})[1].sampling.seed == a.sampling.seed
+
+
+def _openai(custom_id="r1", url="/v1/chat/completions", **body):
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def test_openai_lines_map_onto_sampling_settings(tmp_path):
+    src = tmp_path / "in.jsonl"
+    lines = [
+        _openai("c1", max_completion_tokens=5, temperature=0.5, logprobs=True, top_logprobs=3),
+        _openai("c2", url="/v1/completions", messages=None, prompt="raw", stop=["\n"], n=2),
+    ]
+    del lines[1]["body"]["messages"]
+    _write_jsonl(src, lines)
+    chat, plain = jobs.read_requests(src, {"temperature": 0.0, "max_tokens": 7})
+    assert chat.openai == "chat" and chat.chat is None and chat.prompt[0]["content"] == "hi"
+    assert (chat.sampling.max_tokens, chat.sampling.temperature, chat.sampling.logprobs) == (
+        5,
+        0.5,
+        3,
+    )
+    assert plain.openai == "completions" and plain.chat is False and plain.prompt == "raw"
+    assert (plain.n, plain.sampling.stop, plain.sampling.max_tokens) == (2, ("\n",), 7)
+
+
+def test_openai_chat_output_shape(tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [_openai("c1", n=2, logprobs=True, top_logprobs=1, max_tokens=2)])
+
+    class WithLogprobs(_Echo):
+        model_name = "tiny-model"
+
+        def run(self, reqs):
+            for r, rec in super().run(reqs):
+                rec = {**rec, "token_ids": [7, 8], "logprobs": [-0.5, -1.0]}
+                yield r, {**rec, "top_logprobs": [[[7, -0.5]], [[9, -0.25]]]}
+
+        def token_text(self, token):
+            return f"<{token}>"
+
+    _run(WithLogprobs(), src, dst)
+    (line,) = _read_results(dst)
+    assert line["custom_id"] == "c1" and line["error"] is None
+    body = line["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "tiny-model"
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    first, second = choice["logprobs"]["content"]
+    assert first == {
+        "token": "<7>",
+        "logprob": -0.5,
+        "bytes": list(b"<7>"),
+        "top_logprobs": [{"token": "<7>", "logprob": -0.5, "bytes": list(b"<7>")}],
+    }
+    assert second["top_logprobs"][0]["token"] == "<9>"
+    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+    assert _run(_Never(), src, dst)["samples_already_done"] == 2  # resumes by custom_id
 
 
 @pytest.mark.parametrize(
@@ -324,50 +591,82 @@ def test_default_ids_follow_the_prompt_through_edits(tmp_path):
         ('["a"]', "expected a JSON object"),
         ('{"text": "x"}', "unknown field\\(s\\) 'text'"),
         (
-            '{"prompt": "x", "max_new_tokens": 5, "temperature": 1}',
-            "unknown field\\(s\\) 'max_new_tokens', 'temp",
+            '{"prompt": "x", "max_new_tokens": 5, "temprature": 1}',
+            "unknown field\\(s\\) 'max_new_tokens' \\(did you mean 'max_tokens'\\?\\), "
+            "'temprature' \\(did you mean 'temperature'\\?\\)",
         ),
-        (
-            '{"prompt": "x", "prompt_token_ids": [1]}',
-            "has both `prompt` and `prompt_token_ids`; give one, not both",
-        ),
-        ('{"id": 7}', "needs `prompt` \\(text\\) or `prompt_token_ids`"),
+        ('{"prompt": "x", "prompt_token_ids": [1]}', "has `prompt` and `prompt_token_ids`"),
+        ('{"prompt": "x", "messages": []}', "has `prompt` and `messages`; give one"),
+        ('{"id": 7}', "needs `prompt` \\(text\\), `messages` \\(a chat\\) or `prompt_token_ids`"),
         ('{"prompt": 5}', "`prompt` must be a non-empty string, got 5"),
         ('{"prompt": ""}', "`prompt` must be a non-empty string"),
+        ('{"messages": [{"content": "x"}]}', "`messages` must be a non-empty list"),
         ('{"prompt_token_ids": [1, "2"]}', "`prompt_token_ids` must be a non-empty list of ints"),
         ('{"prompt_token_ids": [true]}', "`prompt_token_ids` must be a non-empty list of ints"),
         ('{"prompt_token_ids": []}', "`prompt_token_ids` must be a non-empty list of ints"),
-        ('{"prompt_token_ids": 3}', "`prompt_token_ids` must be a non-empty list of ints"),
         ('{"id": [1], "prompt": "x"}', "`id` must be a string or an integer"),
         ('{"id": 1, "prompt": "b"}', "duplicate id 1 \\(line 1 has it\\)"),
-        ('{"prompt": "a"}', "same prompt as line 3; give each of them an `id`"),
+        ('{"prompt": "a"}', "same request as line 3; give each of them an `id`"),
+        ('{"prompt": "x", "n": 0}', "n must be an int >= 1, got 0"),
+        ('{"prompt": "x", "temperature": "hot"}', "temperature must be a finite float"),
+        ('{"prompt": "x", "seed": "x"}', "seed must be"),
+        (json.dumps(_openai()), "an OpenAI batch line in a file whose line 1 is an rkvjax line"),
     ],
 )
 def test_bad_line_is_rejected_before_work(tmp_path, line, match):
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "a"}\n\n{"prompt": "a"}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"{src}:4: {match}"):
-        jobs.run_job(_never, src, tmp_path / "out.jsonl", progress=False)
+        _run(_Never(), src, tmp_path / "out.jsonl")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ({**_openai(), "extra": 1}, "unknown field\\(s\\) 'extra' in an OpenAI batch line"),
+        ({**_openai(), "custom_id": 3}, "`custom_id` must be a non-empty string"),
+        (_openai(custom_id="r0"), "duplicate id 'r0' \\(line 1 has it\\)"),
+        (_openai(url="/v1/embeddings"), '`url` "/v1/embeddings" is not served'),
+        ({**_openai(), "method": "GET"}, '`method` must be "POST"'),
+        (_openai(stream=True), "body field\\(s\\) 'stream' not supported"),
+        (_openai(max_tokens=3, max_completion_tokens=3), "body has `max_tokens` and `max_com"),
+        (_openai(top_logprobs=2), "body `top_logprobs` needs `logprobs"),
+        (_openai(messages="hi"), "`messages` must be a non-empty list"),
+        (_openai(url="/v1/completions"), "body field\\(s\\) 'messages' not supported for /v1/c"),
+        (
+            {"custom_id": "e", "url": "/v1/completions", "body": {"prompt": ""}},
+            "a /v1/completions body needs `prompt`: a non-empty string",
+        ),
+        (_openai(n=0), "n must be an int >= 1"),
+        ({"id": 1, "prompt": "x"}, "an rkvjax line in a file whose line 1 is an OpenAI batch"),
+    ],
+)
+def test_bad_openai_line_is_rejected_before_work(tmp_path, line, match):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [_openai(custom_id="r0"), line])
+    with pytest.raises(ValueError, match=f"{src}:2: {match}"):
+        _run(_Never(), src, tmp_path / "out.jsonl")
 
 
 def test_input_without_prompts_is_rejected(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("\n")
     with pytest.raises(ValueError, match="no prompts"):
-        jobs.run_job(_never, src, tmp_path / "out.jsonl", progress=False)
+        _run(_Never(), src, tmp_path / "out.jsonl")
 
 
-def test_check_runs_on_every_prompt_before_work(tmp_path):
+def test_check_runs_on_every_request_before_work(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": "ok"}, {"id": "x", "prompt": "long"}, {"prompt": "long!"}])
 
-    def check(prompt):
-        if prompt.startswith("long"):
-            raise ValueError("too many tokens")
+    class Checked(_Never):
+        def check(self, request, where):
+            if request.prompt.startswith("long"):
+                raise ValueError(f"{where}: too many tokens")
 
     with pytest.raises(ValueError) as e:
-        jobs.run_job(_never, src, dst, batch_size=1, progress=False, check=check)
+        _run(Checked(), src, dst)
     assert str(e.value) == f"{src}:2 (id 'x'): too many tokens (1 more line fails too)"
     assert _read_results(dst) == []
 
@@ -383,9 +682,22 @@ def test_bad_output_path_fails_before_work(tmp_path, where, error, match):
     src = tmp_path / "in.jsonl"
     _write_jsonl(src, [{"prompt": "a"}])
     with pytest.raises(error, match=match):
-        jobs.run_job(_never, src, tmp_path / where, progress=False)
+        _run(_Never(), src, tmp_path / where)
     with pytest.raises(error, match=match):
         jobs.preflight(src, tmp_path / where)
+
+
+def test_cli_checks_files_before_loading_the_model(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"prompt": "a"}])
+    dst = tmp_path / "missing" / "out.jsonl"
+    assert cli.main(["batch", str(src), str(dst), "--model", str(tmp_path / "no_model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rkvjax: error: ") and err.count("\n") == 1
+    assert f"folder {dst.parent} does not exist" in err
+    _write_jsonl(src, [{"prompt": "a", "top_p": 0}])
+    assert cli.main(["batch", str(src), str(tmp_path / "o.jsonl"), "--model", "nope"]) == 2
+    assert f"{src}:1: top_p must be" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files")
@@ -395,14 +707,14 @@ def test_unwritable_output_fails_before_work(tmp_path):
     dst.write_text("")
     dst.chmod(0o444)
     with pytest.raises(ValueError, match="cannot write it"):
-        jobs.run_job(_never, src, dst, progress=False)
+        _run(_Never(), src, dst)
 
 
 def test_directory_or_missing_input_is_refused(tmp_path):
     with pytest.raises(ValueError, match=f"{tmp_path}: is a directory; give the JSONL file"):
-        jobs.run_job(_never, tmp_path, tmp_path / "out.jsonl", progress=False)
+        _run(_Never(), tmp_path, tmp_path / "out.jsonl")
     with pytest.raises(FileNotFoundError, match="no such file"):
-        jobs.run_job(_never, tmp_path / "nope.jsonl", tmp_path / "out.jsonl", progress=False)
+        _run(_Never(), tmp_path / "nope.jsonl", tmp_path / "out.jsonl")
 
 
 @pytest.mark.parametrize(
@@ -419,18 +731,65 @@ def test_damaged_output_names_its_line(tmp_path, results, match):
     content = _HEADER + "".join(r + "\n" for r in results).encode()
     dst.write_bytes(content)
     with pytest.raises(ValueError, match=f"{dst}{match}"):
-        jobs.run_job(_never, src, dst, progress=False)
+        _run(_Never(), src, dst)
     assert dst.read_bytes() == content
+
+
+# -- several processes -----------------------------------------------------------------------
 
 
 def test_other_processes_never_touch_the_output(tmp_path, monkeypatch):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"prompt": "a"}, {"prompt": "b"}])
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    assert jobs.run_job(_echo, src, dst, progress=False) == (2, 0)
-    assert not dst.exists()
+    assert _run(_Echo(), src, dst)["samples"] == 2
+    assert not dst.exists() and not jobs.summary_path(dst).exists()
     # Process 0 could not open the output: the others stop instead of waiting for it.
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda flags: flags * False)
     with pytest.raises(ValueError, match="process 0 could not open it"):
-        jobs.run_job(_never, src, dst, progress=False)
+        _run(_Never(), src, dst)
+
+
+def test_shards_merge_into_the_whole_job(tmp_path, capsys):
+    """`--shard I/N` runs the requests of one shard (by id, so shards do not move when lines
+    do); `rkvjax merge` joins the shard outputs into the output one job would write."""
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt": f"q{i}", "n": 1 + i % 2} for i in range(20)])
+    whole = tmp_path / "whole.jsonl"
+    _run(_Echo(), src, whole, settings={"model": "m"})
+    parts = [tmp_path / f"part{i}.jsonl" for i in range(3)]
+    sizes = [
+        _run(_Echo(), src, p, settings={"model": "m"}, shard=(i, 3))["requests"]
+        for i, p in enumerate(parts)
+    ]
+    assert sum(sizes) == 20 and min(sizes) > 0
+    assert _settings(parts[1])["shard"] == "1/3"
+    merged = tmp_path / "merged.jsonl"
+    assert cli.main(["merge", str(merged), *map(str, parts)]) == 0
+    assert "merged 3 shards, 30 lines" in capsys.readouterr().err
+    key = _key
+    assert sorted(_read_results(merged), key=key) == sorted(_read_results(whole), key=key)
+    assert _settings(merged) == _settings(whole)
+    with pytest.raises(FileExistsError, match="exists; merge writes a new file"):
+        jobs.merge(merged, parts)
+    with pytest.raises(ValueError, match="shards 2/3 missing"):
+        jobs.merge(tmp_path / "m2.jsonl", parts[:2])
+    with pytest.raises(ValueError, match="shard 1/3 again"):
+        jobs.merge(tmp_path / "m3.jsonl", [*parts, parts[1]])
+    other = tmp_path / "other.jsonl"
+    _run(_Echo(), src, other, settings={"model": "other"}, shard=(0, 3))
+    with pytest.raises(ValueError, match="another job's shard"):
+        jobs.merge(tmp_path / "m4.jsonl", [parts[1], parts[2], other])
+    with pytest.raises(ValueError, match="not a shard output"):
+        jobs.merge(tmp_path / "m5.jsonl", [whole])
+    assert not any((tmp_path / f"m{i}.jsonl").exists() for i in range(2, 6))
+
+
+def test_openai_response_ids_are_stable():
+    r = jobs.Request(1, "c", "x", rkvjax.SamplingParams(temperature=0.0), openai="chat")
+    rec = {**_record(r, 0), "completion_tokens": 2}
+    a = openai_batch.response_line(r, [rec], model_name="m", token_text=str, created=0)
+    b = openai_batch.response_line(r, [rec], model_name="m", token_text=str, created=0)
+    assert a == b and a["response"]["body"]["choices"][0]["logprobs"] is None
+    assert output.line_keys(a) == [("c", 0)]

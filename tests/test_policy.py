@@ -603,7 +603,7 @@ def test_bfloat16_compaction_moves_entries_exactly():
     )
     cc = CompressionConfig(method="rkv", budget=BUDGET, buffer=BUFFER, window=W)
     full = jnp.array([True, False])
-    out, fired, _, _ = jax.jit(
+    out, fired, _, _, _ = jax.jit(
         lambda x: policy.compress_lanes(x, full, cc, lanes=2, start=jnp.int32(0))
     )(cache)
     assert fired.tolist() == [True, False]

@@ -76,11 +76,19 @@ def test_continuous_batching_equals_alone_on_the_default_model(smol):
     """The same on the real default model: 12 chat prompts of mixed lengths and max_tokens
     through 3 slots, R-KV with a small budget so rows compress, equal to each alone."""
     questions = [
-        "What is 12 + 7?", "Name three colors.", "Count from one to five.", "Why?", "Hi",
-        "What is the capital of Italy?", "Write a haiku about rain.", "2 * 21 = ?",
-        "Spell 'cat' backwards.", "Is water wet? Answer in one sentence.", "Say hello.",
+        "What is 12 + 7?",
+        "Name three colors.",
+        "Count from one to five.",
+        "Why?",
+        "Hi",
+        "What is the capital of Italy?",
+        "Write a haiku about rain.",
+        "2 * 21 = ?",
+        "Spell 'cat' backwards.",
+        "Is water wet? Answer in one sentence.",
+        "Say hello.",
         "List two prime numbers.",
-    ]  # fmt: skip
+    ]
     params = [_greedy(m) for m in (40, 12, 33, 20, 26, 9, 37, 15, 30, 22, 18, 28)]
     cc = compression_config("rkv", 24, buffer=8)
     runs = []
@@ -116,9 +124,12 @@ def test_seeded_sampling_is_batch_invariant(llama):
         )
     ]
     batch = rkvjax.generate(
-        llama, [*others[:3], p, *others[3:]], sampling=[*other_params[:3], SAMPLED,
-        *other_params[3:]], method="rkv", **COMPRESSING,
-    )  # fmt: skip
+        llama,
+        [*others[:3], p, *others[3:]],
+        sampling=[*other_params[:3], SAMPLED, *other_params[3:]],
+        method="rkv",
+        **COMPRESSING,
+    )
     assert batch[3].token_ids == alone.token_ids
     # Two slots: the request waits for a short one to finish, then takes its slot.
     eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
@@ -307,24 +318,83 @@ def test_stop_watcher_finds_what_a_full_decode_finds(smol):
 @pytest.mark.slow
 def test_stop_strings_end_requests_early(smol):
     """A stop string ends its request at the token that completes it (text cut before it), while
-    the other requests run on."""
+    the other requests run on; its stats are those of a request that stopped at that token
+    (the row decodes and compresses a little longer on device before the host stops it)."""
     q = "What is the capital of France?"
-    full = rkvjax.generate(smol, [q, q], max_new_tokens=30, ignore_eos=True)
+    # The cache of the default-model test above (its programs are compiled already).
+    kw = dict(method="rkv", budget=24, buffer=8, record_kept=True)
+    full = rkvjax.generate(smol, [q, q], max_new_tokens=30, ignore_eos=True, **kw)
     word = "Paris"
     assert word in full[0].text
-    out = rkvjax.generate(
-        smol,
-        [q, q],
-        sampling=[
-            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[word]),
-            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-        ],
-    )
+    stopped = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[word])
+    out = rkvjax.generate(smol, [q, q], sampling=[stopped, _greedy(30)], **kw)
     assert out[0].text == full[0].text[: full[0].text.index(word)]
     assert out[0].finish_reason == "stop"
     n = len(out[0].token_ids)
-    assert out[0].token_ids == full[0].token_ids[:n] and word in smol.tokenizer.decode(
-        out[0].token_ids
-    )
+    assert out[0].token_ids == full[0].token_ids[:n]
+    assert word in smol.tokenizer.decode(out[0].token_ids)
     assert word not in smol.tokenizer.decode(out[0].token_ids[:-1])
     assert out[1].token_ids == full[1].token_ids
+    short = rkvjax.generate(smol, q, sampling=_greedy(n), **kw)
+    assert short.token_ids == out[0].token_ids
+    # The row ran on for the rest of its chunk and compressed again at 8 tokens; those
+    # compressions are not the sample's.
+    assert n < 8 and out[0].stats.compressions == short.stats.compressions == 1
+    np.testing.assert_array_equal(out[0].kept_positions, short.kept_positions)
+
+
+def test_score_and_stop_ids_with_several_eos_ids(llama):
+    """A model with several end-of-sequence ids: generation stops at the first of any of them,
+    and `score` (which never stops) takes continuations that contain them."""
+    import dataclasses
+    import types
+
+    p = _prompt(12, seed=41)
+    free = rkvjax.generate(llama, p, sampling=_greedy(40))
+    first = free.token_ids[5]
+    never = next(t for t in range(llama.config.vocab_size) if t not in free.token_ids)
+    tok = types.SimpleNamespace(
+        eos_token_ids=(never, first), has_chat_template=False, decode=lambda ids: ""
+    )
+    model = dataclasses.replace(llama, tokenizer=tok)
+    out = rkvjax.generate(model, p, max_new_tokens=40)
+    assert out.token_ids == free.token_ids[: free.token_ids.index(first) + 1]
+    assert out.finish_reason == "stop"
+    seq = [*p, first, never, 5, first]
+    scored = rkvjax.score(model, seq, prompt_len=len(p), method="full")
+    want = rkvjax.score(llama, seq, prompt_len=len(p), method="full")
+    np.testing.assert_allclose(scored.logprobs, want.logprobs, atol=1e-6)
+    assert len(scored.logprobs) == 4
+
+
+def test_logprobs_follow_each_requests_count(llama):
+    """Requests asking for different numbers of alternatives each get their own count."""
+    p = _prompt(12, seed=42)
+    asks = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=n) for n in (0, 1, 4)]
+    outs = rkvjax.generate(llama, [p, p, p], sampling=[*asks])
+    plain = rkvjax.generate(llama, p, sampling=_greedy(6))
+    assert plain.logprobs is None and plain.top_logprobs is None
+    for n, res in zip((0, 1, 4), outs, strict=True):
+        assert len(res.top_logprobs) == 6 and {len(t) for t in res.top_logprobs} == {n}
+        assert res.logprobs == outs[2].logprobs
+
+
+def test_engine_request_ids_and_prompt_lists(llama):
+    """Default ids never collide with ids given explicitly; one prompt (even a str-like list of
+    ids) is one request; a continuation needs a scoring engine."""
+    eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
+    assert eng.submit(_prompt(10, 1), _greedy(3), request_id=0) == 0
+    auto = eng.submit(_prompt(10, 2), _greedy(3))
+    assert auto != 0
+    pair = eng.submit_many([_prompt(10, 3), _prompt(10, 4)], _greedy(3), ids=[None, 5])
+    assert pair[1] == 5 and pair[0] not in (0, auto, 5)
+    (single,) = eng.submit_many(_prompt(11, 5), _greedy(3))  # one prompt of token ids
+    assert single not in (0, auto, *pair)
+    with pytest.raises(ValueError, match="already queued or running"):
+        eng.submit(_prompt(10, 6), request_id=5)
+    with pytest.raises(ValueError, match="continuation needs a scoring engine"):
+        eng.submit(_prompt(10, 7), continuation=[1, 2])
+    got = {r.request_id for r in eng.run()}
+    assert got == {0, auto, *pair, single}
+    eng.submit(_prompt(10, 8), _greedy(2), request_id=5)  # finished ids can be used again
+    assert [r.request_id for r in eng.run()] == [5]

@@ -1,0 +1,54 @@
+"""Offline generation jobs: JSONL requests in, JSONL results out, one continuous job that keeps
+every slot busy, resumable, never losing finished work.
+
+- `inputs`: the request lines (rkvjax or OpenAI batch shape), each checked before any work.
+- `output`: the results file (header, lock, appends, resume), its summary, merging shards.
+- `openai_batch`: the OpenAI batch request and response shapes.
+- `run`: `run_job`, and `EngineRunner`, which runs a job on `rkvjax.Engine`.
+"""
+
+from rkvjax.jobs.inputs import (
+    Request,
+    default_id,
+    in_shard,
+    parse_shard,
+    read_requests,
+    request_seed,
+)
+from rkvjax.jobs.output import (
+    FORMAT_VERSION,
+    HEADER_KEY,
+    JobOutput,
+    check_output,
+    merge,
+    summary_path,
+)
+from rkvjax.jobs.run import (
+    DEFAULT_JOB_SLOTS,
+    EngineRunner,
+    Runner,
+    preflight,
+    run_job,
+    sample_record,
+)
+
+__all__ = [
+    "DEFAULT_JOB_SLOTS",
+    "FORMAT_VERSION",
+    "HEADER_KEY",
+    "EngineRunner",
+    "JobOutput",
+    "Request",
+    "Runner",
+    "check_output",
+    "default_id",
+    "in_shard",
+    "merge",
+    "parse_shard",
+    "preflight",
+    "read_requests",
+    "request_seed",
+    "run_job",
+    "sample_record",
+    "summary_path",
+]

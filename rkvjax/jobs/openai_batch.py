@@ -1,0 +1,238 @@
+"""The OpenAI batch format: request lines in, response lines out.
+
+A request line is `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body":
+{"messages": [...], ...}}` (or "/v1/completions" with a `prompt` in the body, sent as raw text
+without the chat template). The body's `model` is recorded, not used: the job's model answers.
+Its sampling fields map onto `SamplingParams`: OpenAI's names (`max_tokens` or
+`max_completion_tokens`, `temperature`, `top_p`, `n`, `seed`, `stop`, `presence_penalty`,
+`frequency_penalty`; `logprobs` and `top_logprobs`) and vLLM's extensions of that API (`top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`). Fields the job
+does not honour (`stream`, `tools`, `response_format`, ...) are errors, not silently ignored.
+
+An output line is `{"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200,
+"request_id": ..., "body": <a chat.completion or text_completion object with every sample as
+a choice and the token usage>}, "error": null}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rkvjax.jobs.quote import show, unknown
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+LINE_FIELDS = ("custom_id", "method", "url", "body")
+# Body fields that map one to one onto SamplingParams.
+_SAME = (
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+)
+BODY_FIELDS = {
+    "chat": ("model", "messages", "max_tokens", "max_completion_tokens", "logprobs",
+             "top_logprobs", *_SAME),
+    "completions": ("model", "prompt", "max_tokens", "logprobs", *_SAME),
+}  # fmt: skip
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+
+
+def is_batch_line(obj: Mapping[str, Any]) -> bool:
+    """Whether a JSON line is in the OpenAI batch shape."""
+    return "custom_id" in obj or "body" in obj
+
+
+def check_messages(messages: Any, where: str) -> None:
+    """A chat: a non-empty list of {"role": str, "content": str} messages."""
+    ok = isinstance(messages, list) and bool(messages)
+    for m in messages if ok else ():
+        ok = ok and isinstance(m, dict) and isinstance(m.get("role"), str)
+        ok = ok and isinstance(m.get("content", ""), str)
+    if not ok:
+        raise ValueError(
+            f'{where}: `messages` must be a non-empty list of {{"role": ..., "content": ...}} '
+            f"objects with string values, got {show(messages)}"
+        )
+
+
+def _logprobs_field(body: Mapping[str, Any], kind: str, where: str) -> int | None:
+    if kind == "completions":
+        lp = body.get("logprobs")
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
+            raise ValueError(f"{where}: body `logprobs` must be an int >= 0, got {show(lp)}")
+        return lp
+    want, top = body.get("logprobs", False), body.get("top_logprobs")
+    if not isinstance(want, bool):
+        raise ValueError(f"{where}: body `logprobs` must be true or false, got {show(want)}")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"{where}: body `top_logprobs` must be an int in [0, {MAX_TOP_LOGPROBS}], got "
+                f"{show(top)}"
+            )
+        if not want:
+            raise ValueError(f"{where}: body `top_logprobs` needs `logprobs: true`")
+    return (top or 0) if want else None
+
+
+def parse_line(obj: Mapping[str, Any], where: str) -> tuple[str, Any, dict[str, Any], str]:
+    """An OpenAI batch request line -> (custom_id, prompt, SamplingParams fields, endpoint kind).
+
+    The prompt is a chat for "chat" and text (or token ids) for "completions".
+    """
+    extra = [k for k in obj if k not in LINE_FIELDS]
+    if extra:
+        raise ValueError(
+            f"{where}: unknown field(s) {unknown(extra, LINE_FIELDS)} in an OpenAI batch line "
+            f"(it holds {', '.join(LINE_FIELDS)})"
+        )
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise ValueError(f"{where}: `custom_id` must be a non-empty string, got {show(cid)}")
+    if obj.get("method", "POST") != "POST":
+        raise ValueError(f'{where}: `method` must be "POST", got {show(obj["method"])}')
+    url = obj.get("url", "/v1/chat/completions")
+    if url not in ENDPOINTS:
+        raise ValueError(
+            f"{where}: `url` {show(url)} is not served; use {' or '.join(map(repr, ENDPOINTS))}"
+        )
+    kind = ENDPOINTS[url]
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise ValueError(f"{where}: `body` must be a JSON object, got {show(body)}")
+    extra = [k for k in body if k not in BODY_FIELDS[kind]]
+    if extra:
+        raise ValueError(
+            f"{where}: body field(s) {unknown(extra, BODY_FIELDS[kind])} not supported for {url} "
+            f"(supported: {', '.join(BODY_FIELDS[kind])})"
+        )
+    if "model" in body and not isinstance(body["model"], str):
+        raise ValueError(f"{where}: body `model` must be a string, got {show(body['model'])}")
+    if kind == "chat":
+        if "messages" not in body:
+            raise ValueError(f"{where}: a {url} body needs `messages`")
+        check_messages(body["messages"], where)
+        prompt = body["messages"]
+    else:
+        prompt = body.get("prompt")
+        ids = isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        )
+        if not ((isinstance(prompt, str) or ids) and prompt):
+            raise ValueError(
+                f"{where}: a {url} body needs `prompt`: a non-empty string or list of token "
+                f"ids, got {show(prompt)}"
+            )
+    fields = {k: body[k] for k in _SAME if k in body}
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise ValueError(f"{where}: body has `max_tokens` and `max_completion_tokens`; give one")
+    for k in ("max_tokens", "max_completion_tokens"):
+        if k in body:
+            fields["max_tokens"] = body[k]
+    lp = _logprobs_field(body, kind, where)
+    if lp is not None:
+        fields["logprobs"] = lp
+    return cid, prompt, fields, kind
+
+
+def _hex(*parts: Any) -> str:
+    return hashlib.sha256(repr(parts).encode("utf-8")).hexdigest()[:24]
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _chat_logprobs(sample: Mapping[str, Any], token_text: Callable[[int], str]):
+    content = []
+    for t, lp, top in zip(
+        sample["token_ids"], sample["logprobs"], sample["top_logprobs"], strict=True
+    ):
+        entry = _token_entry(token_text(t), lp)
+        entry["top_logprobs"] = [_token_entry(token_text(i), v) for i, v in top]
+        content.append(entry)
+    return {"content": content}
+
+
+def _completion_logprobs(sample: Mapping[str, Any], token_text: Callable[[int], str]):
+    tokens = [token_text(t) for t in sample["token_ids"]]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": sample["logprobs"],
+        "top_logprobs": [{token_text(i): v for i, v in top} for top in sample["top_logprobs"]],
+        "text_offset": offsets,
+    }
+
+
+def response_line(
+    request,
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    model_name: str,
+    token_text: Callable[[int], str],
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The output line of one request, its samples (records of `run.sample_record`) as the
+    choices of one chat.completion (or text_completion) body."""
+    chat = request.openai == "chat"
+    choices = []
+    for s in sorted(samples, key=lambda s: s["sample_index"]):
+        choice: dict[str, Any] = {"index": s["sample_index"]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": s["text"]}
+        else:
+            choice["text"] = s["text"]
+        if "logprobs" in s:
+            to = _chat_logprobs if chat else _completion_logprobs
+            choice["logprobs"] = to(s, token_text)
+        else:
+            choice["logprobs"] = None
+        choice["finish_reason"] = s["finish_reason"]
+        choices.append(choice)
+    prompt_tokens = samples[0]["prompt_tokens"]
+    completion = sum(s["completion_tokens"] for s in samples)
+    body = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + _hex("body", request.id),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        },
+    }
+    return {
+        "id": "batch_req_" + _hex("line", request.id),
+        "custom_id": request.id,
+        "response": {"status_code": 200, "request_id": _hex("req", request.id), "body": body},
+        "error": None,
+    }
+
+
+def sample_keys(obj: Mapping[str, Any]) -> list[tuple[Any, int]] | None:
+    """(custom_id, choice index) of every sample in an output line; None if it is not one."""
+    if "custom_id" not in obj:
+        return None
+    try:
+        choices = obj["response"]["body"]["choices"]
+        return [(obj["custom_id"], int(c["index"])) for c in choices]
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -1,0 +1,302 @@
+"""Running a job: every request of the input not yet in the output, through one runtime, each
+finished sample appended (and fsynced) the moment it finishes."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from rkvjax.jobs import openai_batch, output
+from rkvjax.jobs.inputs import Request, in_shard, read_requests
+
+DEFAULT_JOB_SLOTS = 256  # slots at most when a job does not say (vLLM's max_num_seqs)
+
+
+class Runner:
+    """What a job runs its requests on; `EngineRunner` is the real one.
+
+    `prepare` sees every request of the input (done or not) and returns the settings it
+    resolved from them (e.g. a fractional budget); `check` raises ValueError for a request it
+    cannot run; `run` yields (request, sample record) as samples finish, in any order.
+    """
+
+    model_name = "rkvjax"
+
+    def prepare(self, requests: list[Request]) -> dict[str, Any]:
+        return {}
+
+    def check(self, request: Request, where: str) -> None:
+        pass
+
+    def run(self, requests: list[Request]) -> Iterator[tuple[Request, dict[str, Any]]]:
+        raise NotImplementedError
+
+    def postfix(self) -> dict[str, str]:
+        """Live numbers for the progress bar."""
+        return {}
+
+    def stats(self) -> dict[str, Any]:
+        """The run's counters, for the summary."""
+        return {}
+
+    def token_text(self, token: int) -> str:
+        """One token's text (OpenAI logprobs name tokens by their text)."""
+        return str(token)
+
+
+def sample_record(result) -> dict[str, Any]:
+    """A GenerationResult as the fields of a job's result line (token ids always included;
+    the writer drops them unless asked)."""
+    st = result.stats
+    rec = {
+        "sample_index": result.sample_index,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": st.prompt_tokens,
+        "completion_tokens": st.generated_tokens,
+        "compressions": st.compressions,
+        "peak_cache_slots": st.peak_cache_slots,
+        "stalled_steps": st.stalled_steps,
+        "time_to_first_token_s": round(st.time_to_first_token_s, 4),
+        "token_ids": list(result.token_ids),
+    }
+    if result.logprobs is not None:
+        rec["logprobs"] = list(result.logprobs)
+        rec["top_logprobs"] = [[[int(t), float(v)] for t, v in top] for top in result.top_logprobs]
+    return rec
+
+
+class EngineRunner(Runner):
+    """Runs a job's requests through one `rkvjax.Engine`, built for the whole input.
+
+    Args:
+      model: from `rkvjax.load`.
+      cache: the cache keywords of `rkvjax.api.engine_for` (method, budget, buffer, ...).
+      slots: rows decoded at once (default: every sample when memory allows, at most
+        DEFAULT_JOB_SLOTS).
+      chat: as in `generate`, for text prompts (OpenAI completions are always raw text).
+    """
+
+    def __init__(self, model, *, cache: Mapping[str, Any], slots: int | None = None, chat=None):
+        self.model, self._cache, self._slots, self._chat = model, dict(cache), slots, chat
+        self.model_name = model.path.name
+        self._ids: dict[Any, list[int]] = {}
+        self.engine = None
+
+    def _encode(self, r: Request, where: str) -> list[int]:
+        from rkvjax import requests
+
+        chat = self._chat if r.chat is None else r.chat
+        return requests.encode(self.model.tokenizer, r.prompt, chat, where)
+
+    def prepare(self, reqs: list[Request]) -> dict[str, Any]:
+        from rkvjax import api
+
+        failures = []
+        for r in reqs:
+            try:
+                self._ids[r.id] = self._encode(r, f"line {r.line} (id {r.id!r})")
+            except ValueError as e:
+                failures.append(str(e))
+        if failures:
+            raise ValueError(_first_of(failures))
+        self.engine = api.engine_for(
+            self.model,
+            [self._ids[r.id] for r in reqs],
+            [r.sampling for r in reqs],
+            slots=self._slots,
+            slot_cap=DEFAULT_JOB_SLOTS,
+            **self._cache,
+        )
+        cc = self.engine.compression
+        return {"cache_budget": cc.budget if cc.compressing else None}
+
+    def check(self, r: Request, where: str) -> None:
+        self.engine.check(self._ids[r.id], r.sampling, where=where)
+
+    def run(self, reqs: list[Request]) -> Iterator[tuple[Request, dict[str, Any]]]:
+        if not reqs:
+            return
+        by_id = {r.id: r for r in reqs}
+        self.engine.submit_many(
+            [self._ids[r.id] for r in reqs], [r.sampling for r in reqs], ids=list(by_id)
+        )
+        for res in self.engine.results():
+            yield by_id[res.request_id], sample_record(res)
+
+    def postfix(self) -> dict[str, str]:
+        st = self.engine.stats
+        busy_s = max(st.wall_s - st.compile_s, 1e-9)
+        return {
+            "tok/s": f"{st.tokens_per_s:.1f}",
+            "comp/s": f"{st.compressions / busy_s:.1f}",
+            "slots": f"{self.engine.busy_slots}/{self.engine.slots}",
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats.to_dict() if self.engine is not None else {}
+
+    def token_text(self, token: int) -> str:
+        if self.model.tokenizer is None:
+            return str(token)
+        return self.model.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _first_of(failures: list[str]) -> str:
+    k = len(failures) - 1
+    more = "" if k == 0 else f" ({k} more {'line fails' if k == 1 else 'lines fail'} too)"
+    return failures[0] + more
+
+
+def _from_process_0(flags: np.ndarray) -> np.ndarray:
+    if jax.process_count() == 1:
+        return flags
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(flags))
+
+
+def _line_of(request: Request, rec: Mapping[str, Any], token_ids: bool) -> dict[str, Any]:
+    line = {"id": request.id, **rec}
+    if not token_ids:
+        line.pop("token_ids")
+    return line
+
+
+def run_job(
+    runner: Runner,
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
+    shard: tuple[int, int] | None = None,
+    token_ids: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Runs every request of `input_path` not yet in `output_path`, as one continuous job.
+
+    Args:
+      runner: runs the requests (`EngineRunner` for a model).
+      input_path, output_path: JSONL files (the output starts with a job header).
+      defaults: sampling settings (`SamplingParams` fields) for what a line does not set.
+      settings: JSON-able settings that shape the results (model, cache policy, ...), kept in
+        the output's header with the defaults; a rerun with other settings is refused.
+      shard: (i, n): run only the requests of shard i of n (by a hash of their id).
+      token_ids: also write each sample's generated token ids.
+      progress: a progress bar over samples on stderr.
+
+    Returns:
+      The job's summary (also written next to the output, see `output.summary_path`).
+    """
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    input_path, output_path = Path(input_path), Path(output_path)
+    defaults = dict(defaults if defaults is not None else {"temperature": 0.0})
+    reqs = [r for r in read_requests(input_path, defaults) if in_shard(r.id, shard)]
+    settings = {**(settings or {}), **defaults}
+    if shard is not None:
+        settings["shard"] = f"{shard[0]}/{shard[1]}"
+    settings.update(runner.prepare(reqs) if reqs else {})
+    # On several processes every one runs every request (the model is split over all of them);
+    # process 0 owns the output and decides which requests are left.
+    primary = jax.process_index() == 0
+    out, error = None, None
+    if primary:
+        try:
+            output.read_summary(output.summary_path(output_path))  # refuses a foreign file
+            out = output.JobOutput.open(output_path, settings, input_path=input_path)
+        except (ValueError, OSError) as e:
+            error = e
+    done = out.done if out is not None else set()
+    left = [any((r.id, j) not in done for j in range(r.n)) for r in reqs]
+    flags = _from_process_0(np.array([error is None, *left]))
+    if error is not None:
+        raise error
+    if not flags[0]:
+        raise ValueError(f"{output_path}: process 0 could not open it (its error says why)")
+    counts: collections.Counter = collections.Counter()
+    try:
+        todo = [r for r, x in zip(reqs, flags[1:], strict=True) if x]
+        failures = []
+        for r in todo:
+            try:
+                runner.check(r, f"{input_path}:{r.line} (id {r.id!r})")
+            except ValueError as e:
+                failures.append(str(e))
+        if failures:
+            raise ValueError(_first_of(failures))
+        total = sum(r.n for r in reqs)
+        bar = tqdm(
+            total=total,
+            initial=total - sum(r.n for r in todo),
+            unit="sample",
+            desc="batch",
+            dynamic_ncols=True,
+            disable=not (progress and primary),
+        )
+        waiting: dict[Any, list[dict[str, Any]]] = collections.defaultdict(list)
+        for r, rec in runner.run(todo) if todo else ():
+            counts["samples"] += 1
+            counts["generated_tokens"] += rec["completion_tokens"]
+            counts["finish_" + rec["finish_reason"]] += 1
+            if r.openai:
+                waiting[r.id].append(rec)
+                if len(waiting[r.id]) == r.n and out is not None:
+                    line = openai_batch.response_line(
+                        r,
+                        waiting.pop(r.id),
+                        model_name=runner.model_name,
+                        token_text=runner.token_text,
+                    )
+                    out.append([line])
+                    counts["written"] += r.n
+            elif out is not None and (r.id, rec["sample_index"]) not in out.done:
+                out.append([_line_of(r, rec, token_ids)])
+                counts["written"] += 1
+            bar.update(1)
+            bar.set_postfix(runner.postfix(), refresh=False)
+        bar.close()
+    finally:
+        if out is not None:
+            out.close()
+    wall = time.perf_counter() - t0
+    summary = {
+        "input": str(input_path),
+        "output": str(output_path),
+        "shard": settings.get("shard"),
+        "requests": len(reqs),
+        "samples": sum(r.n for r in reqs),
+        "requests_run": len(todo),
+        "samples_written": counts["written"],
+        "samples_already_done": sum(r.n for r in reqs) - sum(r.n for r in todo),
+        "generated_tokens": counts["generated_tokens"],
+        "finish_reasons": {
+            k[len("finish_") :]: v for k, v in counts.items() if k.startswith("finish_")
+        },
+        "wall_s": wall,
+        "runtime": runner.stats(),
+        "settings": settings,
+    }
+    if primary:
+        output.write_summary(output.summary_path(output_path), summary)
+    return summary
+
+
+def preflight(
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Checks the input and (on process 0) the output without writing, before a slow start."""
+    read_requests(input_path, defaults)
+    if jax.process_index() == 0:
+        output.check_output(input_path, output_path)
