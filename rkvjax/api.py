@@ -121,14 +121,14 @@ def _stop_width(model: Model, params: list[SamplingParams]) -> int:
 def _cache_config(
     model,
     *,
-    method,
-    budget,
-    prompt_len,
-    max_new,
-    think_only,
-    think_end_token,
-    answer_slots,
-    pallas,
+    prompt_len: int,
+    max_new: int,
+    method: str = "rkv",
+    budget: int | float | None = None,
+    think_only: bool = False,
+    think_end_token: str | int = "</think>",
+    answer_slots: int | None = None,
+    pallas: bool | None = None,
     **kw,
 ) -> CompressionConfig:
     return compression_config(
@@ -150,49 +150,24 @@ def engine_for(
     *,
     slots: int | None = None,
     slot_cap: int | None = None,
-    method: str = "rkv",
-    budget: int | float | None = None,
-    buffer: int = 128,
-    window: int = 8,
-    kernel: int = 7,
-    lam: float = 0.1,
-    threshold: float = 0.5,
-    retain: int = 1,
-    think_only: bool = False,
-    think_end_token: str | int = "</think>",
-    answer_slots: int | None = None,
-    pallas: bool | None = None,
     chunk: int = runtime.DEFAULT_CHUNK,
     lanes: int | None = None,
     record_kept: bool = False,
     chat: bool | None = None,
     progress: bool = False,
     total: int | None = None,
+    **cache,
 ) -> runtime.Engine:
-    """The Engine `generate` would build for these requests (arguments as in `generate`): a
-    fractional budget and the FullKV length follow the longest prompt and max_tokens, and the
-    engine's logprobs, penalties and stop-id width cover every request; `slot_cap` caps the
-    default slot count. Offline jobs build theirs here from the whole input, so a resumed job
-    runs the same program."""
+    """The Engine `generate` would build for these requests (arguments as in `generate`;
+    `cache` holds its cache-policy keywords: method, budget, buffer, window, kernel, lam,
+    threshold, retain, think_only, think_end_token, answer_slots, pallas). A fractional budget
+    and the FullKV length follow the longest prompt and max_tokens, and the engine's logprobs,
+    penalties and stop-id width cover every request; `slot_cap` caps the default slot count.
+    Offline jobs build theirs here from the whole input, so a resumed job runs the same
+    program."""
     ids = [list(row) for row in prompt_ids]
     max_new = max(sp.max_tokens for sp in params)
-    cc = _cache_config(
-        model,
-        method=method,
-        budget=budget,
-        prompt_len=max(map(len, ids)),
-        max_new=max_new,
-        think_only=think_only,
-        think_end_token=think_end_token,
-        answer_slots=answer_slots,
-        pallas=pallas,
-        buffer=buffer,
-        window=window,
-        kernel=kernel,
-        lam=lam,
-        threshold=threshold,
-        retain=retain,
-    )
+    cc = _cache_config(model, prompt_len=max(map(len, ids)), max_new=max_new, **cache)
     samples = sum(sp.n for sp in params)
     penalties = any(sp.uses_penalties for sp in params)
     # FullKV holds the prompt bucket plus every new token but the last (never appended): the

@@ -549,8 +549,13 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "plan"), donate_argnames=("state",))
-def decode(model, state: SlotState, *, steps: int, plan: Plan) -> tuple[SlotState, Tokens]:
-    """Up to `steps` decode steps on device; stops early once no row is active.
+def decode(
+    model, state: SlotState, *, steps: int, plan: Plan, refill_at: jax.Array | None = None
+) -> tuple[SlotState, Tokens]:
+    """Up to `steps` decode steps on device; stops early once no row is active, or once at
+    least `refill_at` rows are free (a [] int32 array, so its value never recompiles): the
+    host sets it when requests wait for slots, so a freed slot is refilled at the next chunk
+    instead of idling to the end of this one.
 
     Returns:
       (state, Tokens [B, steps]: each row's new tokens and the chunk's counters).
@@ -569,9 +574,12 @@ def decode(model, state: SlotState, *, steps: int, plan: Plan) -> tuple[SlotStat
     out = _constrain_tokens(_empty_tokens(b, steps, cfg.vocab_size, lanes, kept_shape, plan), plan)
     num0 = state.num
 
+    if refill_at is None:
+        refill_at = jnp.int32(b + 1)  # never: at most b rows are free
+
     def cond(carry) -> Any:
         s, _, i = carry
-        return (i < steps) & jnp.any(s.active)
+        return (i < steps) & jnp.any(s.active) & (jnp.sum(~s.active) < refill_at)
 
     def body(carry):
         s, o, i = carry

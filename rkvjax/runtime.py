@@ -505,9 +505,22 @@ class Engine:
 
     def _dispatch_chunk(self) -> None:
         self._state, out = engine.decode(
-            self.model.decoder, self._state, steps=self.chunk, plan=self.plan
+            self.model.decoder,
+            self._state,
+            steps=self.chunk,
+            plan=self.plan,
+            refill_at=self._refill_at(),
         )
         self._events.append(("chunk", out, list(self._owner)))
+
+    def _refill_at(self) -> np.int32:
+        """Free rows at which the next chunk stops early: with requests waiting, as soon as a
+        few slots free up (1 in 16 of them, at least one), so they are refilled a chunk
+        sooner; with nothing waiting, never. Chunks stay long when slots free up one by one
+        in a large batch, and the host keeps one chunk in flight either way."""
+        waiting = sum(len(p.samples) for p in self._queue)
+        at = min(waiting, max(1, self.slots // 16)) if waiting else self.slots + 1
+        return np.int32(at)  # a value, not a shape: never recompiles
 
     def _flush_release(self) -> None:
         rows = [b for b in self._release if self._owner[b] is None]

@@ -158,16 +158,6 @@ def test_decode_copies_no_weight(tiny_checkpoint, batch, dtype):
     assert copies == ([] if dtype == "float32" else [("fusion", table, "u16")])
 
 
-def test_ragged_batch_equals_one_by_one(model):
-    # Lengths straddle a bucket edge (16 -> 32) so rows carry very different amounts of padding.
-    prompts = _prompts([3, 17, 9, 30], seed=4)
-    batch = rkvjax.generate(model, prompts, max_new_tokens=40, ignore_eos=True)
-    for prompt, got in zip(prompts, batch, strict=True):
-        alone = rkvjax.generate(model, prompt, max_new_tokens=40, ignore_eos=True)
-        assert got.token_ids == alone.token_ids
-        assert got.stats.prompt_tokens == len(prompt)
-
-
 def test_decode_compiles_once_across_chunks(model):
     engine.TRACES.clear()
     rkvjax.generate(model, _prompts([7, 7]), max_new_tokens=200, ignore_eos=True)  # 4 chunks

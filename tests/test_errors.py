@@ -300,9 +300,10 @@ def test_bad_sampling_arguments_name_the_setting(model, kwargs, match):
 def test_numpy_token_ids_are_prompts(model):
     """A 1-D integer array is one prompt, a 2-D one a batch, exactly like the lists."""
     ids = np.array([5, 6, 7, 8], np.int64)
-    want = rkvjax.generate(model, ids.tolist(), max_new_tokens=3)
-    assert rkvjax.generate(model, ids, max_new_tokens=3).token_ids == want.token_ids
-    two = rkvjax.generate(model, np.stack([ids, ids + 1]), max_new_tokens=3)
+    kw = dict(max_new_tokens=3, slots=2)  # one engine for all three calls
+    want = rkvjax.generate(model, ids.tolist(), **kw)
+    assert rkvjax.generate(model, ids, **kw).token_ids == want.token_ids
+    two = rkvjax.generate(model, np.stack([ids, ids + 1]), **kw)
     assert len(two) == 2 and two[0].token_ids == want.token_ids
     with pytest.raises(ValueError, match="1-D or 2-D integer token ids"):
         rkvjax.generate(model, np.zeros((2, 2), np.float32), max_new_tokens=3)

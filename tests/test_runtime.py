@@ -55,7 +55,11 @@ def test_continuous_batching_equals_each_request_alone(llama, method):
     refilled as requests finish."""
     prompts, params = _mixed()
     got, stats = _run(llama, prompts, params, slots=3, method=method)
-    alone, _ = _run(llama, prompts, params, slots=1, method=method)
+    alone, one_slot = _run(llama, prompts, params, slots=1, method=method)
+    # One slot never idles while requests wait: a chunk stops when its row finishes, and the
+    # next request decodes from the next chunk on (the first token of each comes from prefill).
+    assert one_slot.decode_steps == sum(MAX_TOKENS) - len(MAX_TOKENS)
+    assert one_slot.slot_occupancy == 1.0
     for r, (a, b) in enumerate(zip(got, alone, strict=True)):
         assert a.token_ids == b.token_ids, f"request {r}"
         assert len(a.token_ids) == MAX_TOKENS[r]

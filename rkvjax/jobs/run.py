@@ -200,11 +200,14 @@ def run_job(
     t0 = time.perf_counter()
     input_path, output_path = Path(input_path), Path(output_path)
     defaults = dict(defaults if defaults is not None else {"temperature": 0.0})
-    reqs = [r for r in read_requests(input_path, defaults) if in_shard(r.id, shard)]
+    every = read_requests(input_path, defaults)
     settings = {**(settings or {}), **defaults}
+    # The whole input, not only this shard, resolves the settings (e.g. a fractional budget),
+    # so every shard of a job runs the same program and their outputs merge.
+    settings.update(runner.prepare(every))
     if shard is not None:
         settings["shard"] = f"{shard[0]}/{shard[1]}"
-    settings.update(runner.prepare(reqs) if reqs else {})
+    reqs = [r for r in every if in_shard(r.id, shard)]
     # On several processes every one runs every request (the model is split over all of them);
     # process 0 owns the output and decides which requests are left.
     primary = jax.process_index() == 0
@@ -216,6 +219,7 @@ def run_job(
         except (ValueError, OSError) as e:
             error = e
     done = out.done if out is not None else set()
+    already = sum((r.id, j) in done for r in reqs for j in range(r.n))
     left = [any((r.id, j) not in done for j in range(r.n)) for r in reqs]
     flags = _from_process_0(np.array([error is None, *left]))
     if error is not None:
@@ -233,10 +237,9 @@ def run_job(
                 failures.append(str(e))
         if failures:
             raise ValueError(_first_of(failures))
-        total = sum(r.n for r in reqs)
         bar = tqdm(
-            total=total,
-            initial=total - sum(r.n for r in todo),
+            total=sum(r.n for r in reqs),
+            initial=already,
             unit="sample",
             desc="batch",
             dynamic_ncols=True,
@@ -244,6 +247,8 @@ def run_job(
         )
         waiting: dict[Any, list[dict[str, Any]]] = collections.defaultdict(list)
         for r, rec in runner.run(todo) if todo else ():
+            if not r.openai and (r.id, rec["sample_index"]) in done:
+                continue  # written before a crash; the request ran again for its other samples
             counts["samples"] += 1
             counts["generated_tokens"] += rec["completion_tokens"]
             counts["finish_" + rec["finish_reason"]] += 1
@@ -258,7 +263,7 @@ def run_job(
                     )
                     out.append([line])
                     counts["written"] += r.n
-            elif out is not None and (r.id, rec["sample_index"]) not in out.done:
+            elif out is not None:
                 out.append([_line_of(r, rec, token_ids)])
                 counts["written"] += 1
             bar.update(1)
@@ -276,7 +281,7 @@ def run_job(
         "samples": sum(r.n for r in reqs),
         "requests_run": len(todo),
         "samples_written": counts["written"],
-        "samples_already_done": sum(r.n for r in reqs) - sum(r.n for r in todo),
+        "samples_already_done": already,
         "generated_tokens": counts["generated_tokens"],
         "finish_reasons": {
             k[len("finish_") :]: v for k, v in counts.items() if k.startswith("finish_")
