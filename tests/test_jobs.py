@@ -245,8 +245,10 @@ def _key(r):
 
 
 def _timeless(results):
-    """Result lines without their timings, in (id, sample) order."""
-    drop = ("time_to_first_token_s",)
+    """Result lines in (id, sample) order, without what depends on the run rather than the
+    sample: time to first token, and steps spent waiting for a compression lane (which rows
+    shared the lanes)."""
+    drop = ("time_to_first_token_s", "stalled_steps")
     return sorted(({k: v for k, v in r.items() if k not in drop} for r in results), key=_key)
 
 

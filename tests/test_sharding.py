@@ -158,12 +158,12 @@ def _compiled_decode_on_mesh(model, monkeypatch) -> str:
     seen = []
     real = engine.decode
 
-    def spy(decoder, state, *, steps, plan):
+    def spy(decoder, state, *, steps, plan, **kw):
         shapes = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
         seen.append((shapes, plan))
-        return real(decoder, state, steps=steps, plan=plan)
+        return real(decoder, state, steps=steps, plan=plan, **kw)
 
     monkeypatch.setattr(engine, "decode", spy)
     rkvjax.generate(model, PROMPTS, method="rkv", **GEN)

@@ -2,7 +2,8 @@
 
 A request line is `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body":
 {"messages": [...], ...}}` (or "/v1/completions" with a `prompt` in the body, sent as raw text
-without the chat template). The body's `model` is recorded, not used: the job's model answers.
+without the chat template). The body's `model` is accepted, not used: the job's model
+answers, and its name is the response's `model`.
 Its sampling fields map onto `SamplingParams`: OpenAI's names (`max_tokens` or
 `max_completion_tokens`, `temperature`, `top_p`, `n`, `seed`, `stop`, `presence_penalty`,
 `frequency_penalty`; `logprobs` and `top_logprobs`) and vLLM's extensions of that API (`top_k`,
