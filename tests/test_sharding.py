@@ -92,7 +92,6 @@ def test_logits_match_one_device(single, load_sharded, shape):
 @pytest.mark.parametrize(
     "shape,method",
     [
-        ((4, 2), "full"),
         ((4, 2), "rkv"),
         ((2, 2), "snapkv"),
         ((1, 2), "streaming"),
