@@ -26,6 +26,7 @@ __all__ = [
     "generate",
     "load",
     "logits",
+    "per_prompt_sampling",
     "score",
 ]
 
@@ -34,10 +35,10 @@ DEFAULT_MAX_NEW_TOKENS = 256
 _MEMORY_SHARE = 0.5
 
 
-def _shorthand_sampling(n_prompts: int, **kw) -> list[SamplingParams]:
-    """generate()'s sampling keywords as one SamplingParams per prompt. Prompt i samples with
-    seed + i, so the prompts of a batch draw differently and each prompt's draws are the same
-    alone or in any batch."""
+def per_prompt_sampling(n_prompts: int, **kw) -> list[SamplingParams]:
+    """SamplingParams fields (generate()'s shorthand keywords, the command line's flags) as one
+    SamplingParams per prompt. Prompt i samples with seed + i, so the prompts of a batch draw
+    differently and each prompt's draws are the same alone or in any batch."""
     seed = kw.pop("seed")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an int, got {seed!r}")
@@ -300,7 +301,7 @@ def generate(
             ignore_eos=False,
         )
         kw = {k: defaults[k] if v is None else v for k, v in shorthand.items()}
-        params = _shorthand_sampling(len(prompt_list), **kw)
+        params = per_prompt_sampling(len(prompt_list), **kw)
     else:
         given = sorted(k for k, v in shorthand.items() if v is not None)
         if given:

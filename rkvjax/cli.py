@@ -212,11 +212,7 @@ def _generate(args: argparse.Namespace) -> int:
     model = _load(args)
     load_s = time.perf_counter() - t0
     primary = jax.process_index() == 0  # on several processes, process 0 reports
-    # As generate's shorthand: prompt i samples with seed + i.
-    params = [
-        SamplingParams(**{**fields, "seed": (args.seed + i) % 2**32})
-        for i in range(len(args.prompts))
-    ]
+    params = api.per_prompt_sampling(len(args.prompts), **fields)
     outs = api.generate(
         model,
         list(args.prompts),

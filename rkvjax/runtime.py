@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -518,8 +519,11 @@ class Engine:
         few slots free up (1 in 16 of them, at least one), so they are refilled a chunk
         sooner; with nothing waiting, never. Chunks stay long when slots free up one by one
         in a large batch, and the host keeps one chunk in flight either way."""
-        waiting = sum(len(p.samples) for p in self._queue)
-        at = min(waiting, max(1, self.slots // 16)) if waiting else self.slots + 1
+        need = max(1, self.slots // 16)
+        # Every queued request has a sample left: the first `need` of them are enough to
+        # know, without a pass over a long queue on every chunk.
+        waiting = sum(len(p.samples) for p in itertools.islice(self._queue, need))
+        at = min(waiting, need) if waiting else self.slots + 1
         return np.int32(at)  # a value, not a shape: never recompiles
 
     def _flush_release(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,14 @@ class Runner:
     """What a job runs its requests on; `EngineRunner` is the real one.
 
     `prepare` sees every request of the input (done or not) and returns the settings it
-    resolved from them (e.g. a fractional budget); `check` raises ValueError for a request it
+    resolved from them (e.g. a fractional budget), raising ValueError prefixed with
+    `where(request)` for one it cannot read; `check` raises ValueError for a request it
     cannot run; `run` yields (request, sample record) as samples finish, in any order.
     """
 
     model_name = "rkvjax"
 
-    def prepare(self, requests: list[Request]) -> dict[str, Any]:
+    def prepare(self, requests: list[Request], where: Callable[[Request], str]) -> dict[str, Any]:
         return {}
 
     def check(self, request: Request, where: str) -> None:
@@ -95,13 +96,13 @@ class EngineRunner(Runner):
         chat = self._chat if r.chat is None else r.chat
         return requests.encode(self.model.tokenizer, r.prompt, chat, where)
 
-    def prepare(self, reqs: list[Request]) -> dict[str, Any]:
+    def prepare(self, reqs: list[Request], where: Callable[[Request], str]) -> dict[str, Any]:
         from rkvjax import api
 
         failures = []
         for r in reqs:
             try:
-                self._ids[r.id] = self._encode(r, f"line {r.line} (id {r.id!r})")
+                self._ids[r.id] = self._encode(r, where(r))
             except ValueError as e:
                 failures.append(str(e))
         if failures:
@@ -201,10 +202,14 @@ def run_job(
     input_path, output_path = Path(input_path), Path(output_path)
     defaults = dict(defaults if defaults is not None else {"temperature": 0.0})
     every = read_requests(input_path, defaults)
+
+    def where(r: Request) -> str:  # how errors name a request
+        return f"{input_path}:{r.line} (id {r.id!r})"
+
     settings = {**(settings or {}), **defaults}
     # The whole input, not only this shard, resolves the settings (e.g. a fractional budget),
     # so every shard of a job runs the same program and their outputs merge.
-    settings.update(runner.prepare(every))
+    settings.update(runner.prepare(every, where))
     if shard is not None:
         settings["shard"] = f"{shard[0]}/{shard[1]}"
     reqs = [r for r in every if in_shard(r.id, shard)]
@@ -232,7 +237,7 @@ def run_job(
         failures = []
         for r in todo:
             try:
-                runner.check(r, f"{input_path}:{r.line} (id {r.id!r})")
+                runner.check(r, where(r))
             except ValueError as e:
                 failures.append(str(e))
         if failures:
