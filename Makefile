@@ -35,5 +35,6 @@ lint: install-test
 test: lint
 	$(BIN)/python -m pytest -q
 
+# Every benchmark suite's tiny variant (about two minutes on two cores).
 bench-smoke: install-test
-	$(BIN)/python bench/decode_throughput.py --tiny --no-hf --out /tmp/rkvjax-bench-smoke.jsonl
+	$(BIN)/python -m bench all --tiny --out /tmp/rkvjax-bench-smoke

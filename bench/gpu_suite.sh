@@ -13,8 +13,9 @@
 # the order given (decode, memory_speed and load_time need checkpoint, in this run or an earlier
 # one). Each step has its own time limit and log, and a failing step does not stop the next one.
 # Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs rkvjax
-# itself (editable, without dependencies) when it is not importable. Results: JSON lines in
-# OUT_DIR, summarised in bench/README.md.
+# itself (editable, without dependencies) when it is not importable. Run from the repository
+# root (`python -m bench`). Results: OUT_DIR/<suite>/ (results.jsonl, table.md, plot.png) and a
+# log per step in OUT_DIR, summarised in bench/README.md.
 set -u
 out=${1:-${OUT:-bench/results/gpu}}
 mkdir -p "$out"
@@ -47,18 +48,19 @@ run_step() {
 	case $1 in
 	tests) step tests 200 $py -m pytest -q -p no:cacheprovider -m "not slow" -o "addopts=" -rs \
 		tests/test_kernels.py tests/test_compression.py tests/test_policy.py tests/test_engine.py ;;
-	kernel) step kernel 60 $py bench/kernel_redundancy.py --sizes 1024 4096 8192 --batch 4 --kv-heads 8 ;;
-	checkpoint) step checkpoint 45 $py bench/random_checkpoint.py r1-distill-qwen-1.5b "$ckpt" \
+	kernel) step kernel 60 $py -m bench kernels --out "$out" --sizes 1024 4096 8192 --batch 4 \
+		--kv-heads 8 ;;
+	checkpoint) step checkpoint 45 $py -m bench.checkpoints r1-distill-qwen-1.5b "$ckpt" \
 		--dtype bfloat16 --std 0.02 ;;
-	decode) step decode 180 $py bench/decode_throughput.py --model "$ckpt" --dtype bfloat16 \
+	decode) step decode 180 $py -m bench decode --out "$out" --model "$ckpt" --dtype bfloat16 \
 		--batch 1 32 --new-tokens 256 --repeats 3 --hf-threads 16 --hf-bf16-repeats 3 \
-		--bandwidth-mib 4096 --out "$out/decode.jsonl" ;;
-	memory_speed) step memory_speed 120 $py bench/memory_speed.py --model "$ckpt" --dtype bfloat16 \
-		--methods full rkv --budget 1024 --contexts 4096 16384 --new-tokens 256 --repeats 3 \
-		--skip-capacity --out "$out/memory_speed.jsonl" --plot /tmp/memory_speed.png ;;
+		--bandwidth-mib 4096 ;;
+	memory_speed) step memory_speed 120 $py -m bench memory --out "$out" --model "$ckpt" \
+		--dtype bfloat16 --methods full rkv --budget 1024 --contexts 4096 16384 --new-tokens 256 \
+		--repeats 3 --skip-capacity ;;
 	# Several processes share the GPU here, so none may take JAX's default 75% up front.
-	load_time) step load_time 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py bench/load_time.py \
-		--model "$ckpt" --dtype bfloat16 --repeats 3 --out "$out/load_time.jsonl" ;;
+	load_time) step load_time 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m bench load \
+		--out "$out" --model "$ckpt" --dtype bfloat16 --repeats 3 ;;
 	*) echo "unknown step: $1" >&2 ;;
 	esac
 }

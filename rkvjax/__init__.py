@@ -1,6 +1,6 @@
 """rkvjax: a JAX/Flax decoding engine for reasoning models with decode-time KV-cache compression."""
 
-from rkvjax import compression
+from rkvjax import compression, evaluation, jobs
 from rkvjax.api import generate, logits, score
 from rkvjax.config import CompressionConfig, ModelConfig, compression_config
 from rkvjax.loading import Model, load
@@ -20,7 +20,9 @@ __all__ = [
     "ScoreResult",
     "compression",
     "compression_config",
+    "evaluation",
     "generate",
+    "jobs",
     "load",
     "logits",
     "score",

@@ -154,6 +154,7 @@ def engine_for(
     chunk: int = runtime.DEFAULT_CHUNK,
     lanes: int | None = None,
     record_kept: bool = False,
+    prefill_by_length: bool = True,
     chat: bool | None = None,
     progress: bool = False,
     total: int | None = None,
@@ -163,7 +164,8 @@ def engine_for(
     `cache` holds its cache-policy keywords: method, budget, buffer, window, kernel, lam,
     threshold, retain, think_only, think_end_token, answer_slots, pallas). A fractional budget
     and the FullKV length follow the longest prompt and max_tokens, and the engine's logprobs,
-    penalties and stop-id width cover every request; `slot_cap` caps the default slot count.
+    penalties and stop-id width cover every request; `slot_cap` caps the default slot count;
+    `prefill_by_length` as in `Engine`.
     Offline jobs build theirs here from the whole input, so a resumed job runs the same
     program."""
     ids = [list(row) for row in prompt_ids]
@@ -195,6 +197,7 @@ def engine_for(
         penalties=penalties,
         stop_width=_stop_width(model, params),
         record_kept=record_kept,
+        prefill_by_length=prefill_by_length,
         chat=chat,
         progress=progress,
         total=total,

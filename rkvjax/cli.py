@@ -1,5 +1,5 @@
-"""Command line: `rkvjax generate "prompt" ...`, `rkvjax batch IN.jsonl OUT.jsonl ...` and
-`rkvjax convert SRC DST`."""
+"""Command line: `rkvjax generate "prompt" ...`, `rkvjax batch IN.jsonl OUT.jsonl ...`,
+`rkvjax eval DATA OUT_DIR ...`, `rkvjax merge OUT SHARDS...` and `rkvjax convert SRC DST`."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import jax
 
-from rkvjax import api, jobs, sharding, xla_flags
+from rkvjax import api, evaluation, jobs, sharding, xla_flags
 from rkvjax.config import METHODS
 from rkvjax.sampling import SamplingParams
 
 
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
+def _add_generation_args(
+    p: argparse.ArgumentParser,
+    n_flags: tuple[str, ...] = ("--n",),
+    n_help: str = "samples per prompt",
+) -> None:
     p.add_argument(
         "--model",
         default=api.DEFAULT_MODEL,
@@ -40,7 +45,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer", type=int, default=128, help="new tokens between compressions")
     p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
     s = p.add_argument_group("sampling (vLLM's SamplingParams; a job's lines may override them)")
-    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument(*n_flags, dest="n", type=int, default=1, help=n_help)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
@@ -120,6 +125,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--token-ids", action="store_true", help="also write generated token ids")
     _add_generation_args(b)
+    e = sub.add_parser(
+        "eval",
+        help="reasoning evaluation: the R1 recipe over a problem file, graded (resumable)",
+    )
+    e.add_argument(
+        "data", help="JSONL of problems: `problem` (or `question`), `answer`, optional `id`"
+    )
+    e.add_argument(
+        "out_dir", help=f"folder for {evaluation.SAMPLES_FILE} and {evaluation.SUMMARY_FILE}"
+    )
+    e.add_argument("--limit", type=int, default=None, help="the first N problems only")
+    e.add_argument("--slots", type=int, default=None, help="rows decoded at once")
+    e.add_argument("--token-ids", action="store_true", help="also write generated token ids")
+    e.add_argument(
+        "--instruction",
+        default=evaluation.R1_INSTRUCTION,
+        help="appended to each problem (default: %(default)r)",
+    )
+    _add_generation_args(e, ("--samples", "--n"), "samples per problem, the k of pass@k")
+    e.set_defaults(
+        temperature=evaluation.R1_SAMPLING["temperature"],
+        top_p=evaluation.R1_SAMPLING["top_p"],
+        max_new_tokens=None,
+    )
     m = sub.add_parser("merge", help="join the outputs of a job's shards into one output")
     m.add_argument("output", help="the merged JSONL to write (must not exist)")
     m.add_argument("shards", nargs="+", help="the shard outputs (`rkvjax batch --shard I/N`)")
@@ -136,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("output", help="folder to write (`rkvjax.load` and --model accept it)")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     c.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    for p in (g, b, c):
+    for p in (g, b, e, c):
         _add_mesh_args(p)
     return parser
 
@@ -314,6 +343,62 @@ def _job_line(summary: dict, output) -> str:
     return line + f" | summary {jobs.summary_path(output)}"
 
 
+def _eval(args: argparse.Namespace) -> int:
+    fields = _sampling(args)
+    if fields["max_tokens"] is None:  # the recipe's length, fitted to the model once loaded
+        del fields["max_tokens"]
+    try:
+        SamplingParams(**fields)
+    except ValueError as e:
+        raise ValueError(f"sampling flags: {e}") from None
+    evaluation.read_problems(args.data, args.limit)  # bad lines fail before the model loads
+    model = _load(args)
+    summary = evaluation.run_eval(
+        model,
+        args.data,
+        args.out_dir,
+        limit=args.limit,
+        samples=fields.pop("n"),
+        cache=_cache(args),
+        sampling=fields,
+        settings={"model": str(model.path.resolve()), "dtype": model.dtype.__name__},
+        slots=args.slots,
+        instruction=args.instruction,
+        token_ids=args.token_ids,
+        progress=_progress(args),
+    )
+    if jax.process_index() == 0:
+        print(_eval_line(summary, args.out_dir), file=sys.stderr)
+    return 0
+
+
+def _eval_line(summary: dict, out_dir) -> str:
+    """The one-line report of a finished evaluation."""
+    k = summary["k"]
+    policy = (
+        "FullKV" if summary["budget"] is None else f"{summary['method']} budget {summary['budget']}"
+    )
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    tokens = summary["mean_generated_tokens"]
+    return (
+        f"[rkvjax] eval {policy}: pass@1 {pct(summary['pass@1'])}"
+        + (f", pass@{k} {pct(summary['pass@k'])}" if k > 1 else "")
+        + f" over {summary['problems']} problems x {k} samples"
+        + (
+            f" ({summary['incomplete_problems']} incomplete)"
+            if summary["incomplete_problems"]
+            else ""
+        )
+        + (f" | {tokens:.0f} tokens per sample" if tokens is not None else "")
+        + (f", repetition {summary['repetition']:.3f}" if summary["repetition"] is not None else "")
+        + f" | {summary['samples_written']} samples written, {summary['samples_already_done']} "
+        f"already done -> {Path(out_dir) / evaluation.SUMMARY_FILE}"
+    )
+
+
 def _merge(args: argparse.Namespace) -> int:
     merged, lines = jobs.merge(args.output, args.shards)
     print(f"[rkvjax] merged {merged} shards, {lines} lines -> {args.output}", file=sys.stderr)
@@ -345,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             return _merge(args)
         sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
         _enable_compile_cache()
-        run = {"batch": _batch, "convert": _convert, "generate": _generate}[args.command]
+        commands = {"batch": _batch, "convert": _convert, "eval": _eval, "generate": _generate}
+        run = commands[args.command]
         return run(args)
     except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
         print(f"rkvjax: error: {e}", file=sys.stderr)
@@ -356,9 +442,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted(args: argparse.Namespace) -> str:
-    if args.command == "batch":
+    if args.command in ("batch", "eval"):
+        where = args.output if args.command == "batch" else args.out_dir
         return (
-            f"rkvjax: interrupted; finished results are in {args.output}, rerun the same command "
+            f"rkvjax: interrupted; finished results are in {where}, rerun the same command "
             "to resume"
         )
     return "rkvjax: interrupted"

@@ -146,3 +146,28 @@ def load(path: str | Path | None = None, *, dtype=None, mesh=None) -> Model:
         mesh=mesh,
         rules=rules,
     )
+
+
+def abstract(config: str | Path | dict, *, dtype="bfloat16") -> Model:
+    """A model of a checkpoint's shape without its weights: a config.json (its path, or the
+    dict) and a dtype -> a Model whose weights are ShapeDtypeStructs. Nothing is allocated, so
+    `Engine.memory_analysis` can size an 8B model's runtime on a laptop; it cannot generate.
+    """
+    import json
+
+    from rkvjax.convert.hf_config import parse_hf_config
+    from rkvjax.models.decoder import abstract_decoder
+
+    where = "config"
+    if not isinstance(config, dict):
+        where = str(config)
+        config = json.loads(Path(config).read_text())
+    cfg = parse_hf_config(config, where)
+    dtype = as_dtype(dtype)
+    return Model(
+        config=cfg,
+        decoder=abstract_decoder(cfg, dtype),
+        tokenizer=None,
+        path=Path(where),
+        dtype=dtype,
+    )

@@ -133,6 +133,8 @@ class Engine:
       penalties: allow repetition / presence / frequency penalties (keeps [slots, V] counts).
       stop_width: stop token ids per row at most (the model's end-of-sequence ids included).
       max_prefill_rows: prompts prefilled together at most.
+      prefill_by_length: prompts admitted together are prefilled in one group per length
+        bucket; False: in one group padded to the longest (as a static batch is).
       record_kept: keep the positions every compression kept (`GenerationResult.kept_positions`).
       teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
       chat: wrap text prompts in the model's chat template (default: when it has one).
@@ -153,6 +155,7 @@ class Engine:
         penalties: bool = False,
         stop_width: int = DEFAULT_STOP_WIDTH,
         max_prefill_rows: int | None = None,
+        prefill_by_length: bool = True,
         record_kept: bool = False,
         teacher: bool = False,
         keep_dists: bool = False,
@@ -200,6 +203,7 @@ class Engine:
         self._stop_width = stop_width
         self._given_len = given_len
         self._max_prefill = min(slots, max_prefill_rows or slots)
+        self._prefill_by_length = prefill_by_length
         self._chat = chat
         self._progress = progress
         self._total = total
@@ -536,8 +540,8 @@ class Engine:
 
     def _admit(self) -> None:
         """Fills free slots from the queue: a prompt prefilled earlier whose other samples are
-        waiting goes first (its prefill is kept, not repeated); then a group of new prompts is
-        prefilled together, as many whole requests as fit and part of the next."""
+        waiting goes first (its prefill is kept, not repeated); then the next new prompts, as
+        many whole requests as fit and part of the next, prefilled by length bucket."""
         while self._queue:
             free = [b for b, s in enumerate(self._owner) if s is None]
             if not free:
@@ -556,18 +560,36 @@ class Engine:
                     break
                 entries.append(self._queue.popleft())
                 need += len(entries[-1].samples)
-            group = self._prefill([e.samples[0].request for e in entries])
-            src, samples = [], []
-            for i, e in enumerate(entries):
-                take = e.samples[: len(free) - len(samples)]
-                del e.samples[: len(take)]
-                src += [i] * len(take)
-                samples += take
-            for i, e in reversed(list(enumerate(entries))):
-                if e.samples:  # the rest of its samples wait for slots, prefilled
-                    e.group, e.src = group, i
-                    self._queue.appendleft(e)
-            self._insert(group, src, samples, free)
+            takes, left = [], len(free)  # slots in queue order: only the last entry may wait
+            for e in entries:
+                takes.append(e.samples[:left])
+                left -= len(takes[-1])
+            for members in self._prefill_groups(entries):
+                group = self._prefill([entries[i].samples[0].request for i in members])
+                src, samples = [], []
+                for j, i in enumerate(members):
+                    e = entries[i]
+                    del e.samples[: len(takes[i])]
+                    src += [j] * len(takes[i])
+                    samples += takes[i]
+                    if e.samples:  # the rest of its samples wait for slots, prefilled
+                        e.group, e.src = group, j
+                        self._queue.appendleft(e)
+                self._insert(group, src, samples, free)
+                free = free[len(samples) :]
+
+    def _prefill_groups(self, entries: list[_Pending]) -> list[list[int]]:
+        """Which of the prompts admitted together share a prefill: those of one length
+        bucket (a group pads every prompt to its longest, so a 40-token prompt beside a
+        400-token one would cost as much as the long one), or all of them."""
+        if not self._prefill_by_length:
+            return [list(range(len(entries)))]
+        limit = self.model.config.max_positions
+        groups: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            n = len(e.samples[0].request.prompt_token_ids)
+            groups.setdefault(requests.bucket(n, limit), []).append(i)
+        return list(groups.values())
 
     def _prefill(self, reqs: list[Request]) -> engine.Prefilled:
         """One prefill call for a group of prompts (rows and length bucketed)."""

@@ -50,6 +50,16 @@ def _release_compiled_programs():
 
 
 @pytest.fixture(scope="session")
+def shared_data():
+    """../shared/data next to the checkout (MATH-500, AIME 2024, real configs)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data"
+    assert path.is_dir(), f"{path} is missing: these tests need the shared data folder"
+    return path
+
+
+@pytest.fixture(scope="session")
 def smol_dir(tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct) converted once per session into a temporary
     RKVJAX_HOME, so tests never touch the user's cache."""

@@ -149,7 +149,8 @@ def test_seeded_sampling_is_batch_invariant(llama):
     eng.submit_many([others[0], others[1], p], [_greedy(40), _greedy(6), SAMPLED])
     late = {r.request_id: r for r in eng.run()}
     assert late[2].token_ids == alone.token_ids
-    assert eng.stats.prefills == 2  # the first two together, then the late one
+    # The first two (9 and 22 tokens: one prefill per length bucket), then the late one.
+    assert eng.stats.prefills == 3
     # Different seeds do differ (the check can fail).
     other = rkvjax.generate(llama, p, sampling=SAMPLED.replace(seed=99), **COMPRESSING)
     assert other.token_ids != alone.token_ids
@@ -171,6 +172,29 @@ def test_n_samples_share_one_prefill(llama):
     # generate() returns the n results in sample order; each sample alone in its slot is the same
     again = rkvjax.generate(llama, p, sampling=SAMPLED.replace(n=4), slots=1, **COMPRESSING)
     assert [r.token_ids for r in again] == [r.token_ids for r in sampled]
+
+
+def test_prompts_admitted_together_prefill_per_length_bucket(llama):
+    """Prompts admitted at once share a prefill per length bucket (9 and 12 tokens pad to 16,
+    22 and 30 to 32), or share one padded to the longest; the tokens are the same either way,
+    and a request whose second sample finds no slot keeps its prefill until one frees up."""
+    prompts = [_prompt(n, seed=n) for n in (9, 22, 12, 30)]
+    params = [_greedy(m) for m in (6, 20, 9, 20)]
+    params[3] = params[3].replace(n=2)
+    runs = {}
+    for by_length in (True, False):
+        eng = rkvjax.Engine(
+            llama,
+            slots=4,
+            cache=compression_config("rkv", BUDGET, buffer=BUFFER),
+            prefill_by_length=by_length,
+        )
+        eng.submit_many(prompts, params)
+        runs[by_length] = sorted((r.request_id, r.sample_index, r.token_ids) for r in eng.run())
+        assert eng.stats.prefill_rows == 4  # the waiting sample reused its request's prefill
+        assert eng.stats.prefills == (2 if by_length else 1)
+    assert runs[True] == runs[False]
+    assert runs[True][3][2] == runs[True][4][2]  # request 3's two greedy samples
 
 
 def test_no_recompilation_across_admissions_and_compressions(llama):

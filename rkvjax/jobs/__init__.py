@@ -14,6 +14,7 @@ from rkvjax.jobs.inputs import (
     parse_shard,
     read_requests,
     request_seed,
+    resolve_sampling,
 )
 from rkvjax.jobs.output import (
     FORMAT_VERSION,
@@ -29,6 +30,7 @@ from rkvjax.jobs.run import (
     Runner,
     preflight,
     run_job,
+    run_requests,
     sample_record,
 )
 
@@ -48,7 +50,9 @@ __all__ = [
     "preflight",
     "read_requests",
     "request_seed",
+    "resolve_sampling",
     "run_job",
+    "run_requests",
     "sample_record",
     "summary_path",
 ]

@@ -262,26 +262,29 @@ def summary_path(output: str | Path) -> Path:
     return output.with_name(stem + ".summary.json")
 
 
-def read_summary(path: Path) -> dict[str, Any] | None:
-    """An earlier job's summary at path (None if there is none); refuses another file there."""
+def read_summary(path: Path, key: str = SUMMARY_KEY) -> dict[str, Any] | None:
+    """An earlier summary at path (None if there is none), marked by `key` (a job's, or an
+    evaluation's); refuses any other file there."""
     if not path.exists():
         return None
     try:
         obj = json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         obj = None
-    if not isinstance(obj, dict) or SUMMARY_KEY not in obj:
+    if not isinstance(obj, dict) or key not in obj:
+        kind = "job" if key == SUMMARY_KEY else key.removeprefix("rkvjax_")
         raise ValueError(
-            f"{path}: exists and is not an rkvjax job summary (the job writes its summary "
+            f"{path}: exists and is not an rkvjax {kind} summary (rkvjax writes its summary "
             f"there); move it away or {NEW_FILE}"
         )
     return obj
 
 
-def write_summary(path: Path, summary: Mapping[str, Any]) -> None:
-    """Replaces the summary atomically (a temporary file in the same folder, then a rename)."""
-    read_summary(path)  # never replaces a file that is not a summary
-    data = json.dumps({SUMMARY_KEY: 1, **summary}, indent=2).encode("utf-8") + b"\n"
+def write_summary(path: Path, summary: Mapping[str, Any], key: str = SUMMARY_KEY) -> None:
+    """Replaces the summary atomically (a temporary file in the same folder, then a rename);
+    never replaces a file that is not a summary of this kind."""
+    read_summary(path, key)
+    data = json.dumps({key: 1, **summary}, indent=2).encode("utf-8") + b"\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

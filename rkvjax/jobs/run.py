@@ -196,17 +196,52 @@ def run_job(
     Returns:
       The job's summary (also written next to the output, see `output.summary_path`).
     """
+    defaults = dict(defaults if defaults is not None else {"temperature": 0.0})
+    return run_requests(
+        runner,
+        read_requests(input_path, defaults),
+        output_path,
+        input_path=input_path,
+        settings={**(settings or {}), **defaults},
+        shard=shard,
+        token_ids=token_ids,
+        progress=progress,
+    )
+
+
+def run_requests(
+    runner: Runner,
+    every: list[Request],
+    output_path: str | Path,
+    *,
+    input_path: str | Path,
+    settings: Mapping[str, Any],
+    shard: tuple[int, int] | None = None,
+    token_ids: bool = False,
+    progress: bool = True,
+    desc: str = "batch",
+    summary_file: bool = True,
+) -> dict[str, Any]:
+    """`run_job` on requests already read (e.g. built from a dataset by `rkvjax eval`).
+
+    Args:
+      every: the job's requests, their `line` numbers those of `input_path` (errors name
+        them so).
+      settings: everything that shapes the results (sampling defaults included), kept in the
+        output's header.
+      desc: the progress bar's label.
+      summary_file: write the summary next to the output (`output.summary_path`).
+      The rest as in `run_job`.
+    """
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
     input_path, output_path = Path(input_path), Path(output_path)
-    defaults = dict(defaults if defaults is not None else {"temperature": 0.0})
-    every = read_requests(input_path, defaults)
 
     def where(r: Request) -> str:  # how errors name a request
         return f"{input_path}:{r.line} (id {r.id!r})"
 
-    settings = {**(settings or {}), **defaults}
+    settings = dict(settings)
     # The whole input, not only this shard, resolves the settings (e.g. a fractional budget),
     # so every shard of a job runs the same program and their outputs merge.
     settings.update(runner.prepare(every, where))
@@ -219,7 +254,8 @@ def run_job(
     out, error = None, None
     if primary:
         try:
-            output.read_summary(output.summary_path(output_path))  # refuses a foreign file
+            if summary_file:
+                output.read_summary(output.summary_path(output_path))  # refuses a foreign file
             out = output.JobOutput.open(output_path, settings, input_path=input_path)
         except (ValueError, OSError) as e:
             error = e
@@ -246,7 +282,7 @@ def run_job(
             total=sum(r.n for r in reqs),
             initial=already,
             unit="sample",
-            desc="batch",
+            desc=desc,
             dynamic_ncols=True,
             disable=not (progress and primary),
         )
@@ -295,7 +331,7 @@ def run_job(
         "runtime": runner.stats(),
         "settings": settings,
     }
-    if primary:
+    if primary and summary_file:
         output.write_summary(output.summary_path(output_path), summary)
     return summary
 

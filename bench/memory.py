@@ -1,39 +1,51 @@
-"""KV-cache bytes and decode tokens/s as the context grows; the largest batch in a memory cap."""
+"""KV-cache bytes and decode tokens/s as the context grows; the largest batch in a memory cap.
+
+(a) speed: for each context, prefill a prompt of context - new_tokens tokens once per method
+and time decoding new_tokens from copies of that state, with the cache bytes of each method.
+(b) capacity: the largest batch whose prefill and decode fit --mem-cap-gb for a long
+generation, from compile-only memory analysis (nothing runs).
+"""
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
-import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import random_checkpoint  # bench/, beside this script
 
 import rkvjax
-from rkvjax import engine, policy, requests, xla_flags
+from bench import common
+from rkvjax import engine, policy, requests
 from rkvjax.config import compression_config
 from rkvjax.sampling import SamplingParams
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DATA = Path(os.environ.get("RKVJAX_DATA", "/work/shared/data")) / "math500.jsonl"
 METHODS = ("full", "rkv", "snapkv", "streaming")
+# Compilation is most of a tiny run (every batch of part (b) compiles a prefill and a decode):
+# one context, R-KV alone (FullKV's paths run in the decode suite), and a cap just above the
+# weights, where the search for the largest batch ends after a step or two.
+TINY = dict(
+    methods=["rkv"],
+    contexts=[256],
+    new_tokens=32,
+    budget=32,
+    buffer=16,
+    repeats=2,
+    gen_tokens=512,
+    gen_prompt=16,
+    fit_batches=[1, 2],
+    mem_cap_gb=0.0015,
+)
+PREFER_MEMORY = True
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+def add_arguments(p) -> None:
+    common.add_model_argument(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--methods", nargs="+", choices=METHODS, help="default: all four")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--buffer", type=int, default=128)
     p.add_argument("--window", type=int, default=8)
@@ -45,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=[1024, 2048, 4096, 8192],
         help="context length at the end of the timed decode: prompt = context - new tokens",
     )
-    p.add_argument("--new-tokens", type=int, default=256, help="decoded per timed run")
+    p.add_argument(
+        "--new-tokens", type=common.int_at_least(2), default=256, help="decoded per timed run"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed decodes after one warm-up")
     p.add_argument("--mem-cap-gb", type=float, default=4.0, help="memory cap of part (b), GiB")
     p.add_argument("--gen-tokens", type=int, default=16384, help="generation length of (b)")
@@ -55,61 +69,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--skip-speed", action="store_true", help="only part (b)")
     p.add_argument("--skip-capacity", action="store_true", help="only part (a)")
-    p.add_argument("--data", type=Path, default=DATA, help="text for the prompts (math500.jsonl)")
-    p.add_argument("--tiny", action="store_true", help="a tiny random model (CI smoke run)")
-    p.add_argument("--out", type=Path, help="JSON lines appended here (default results/)")
-    p.add_argument("--plot", type=Path, help="PNG (default results/memory_speed.png)")
-    args = p.parse_args(argv)
-    if args.tiny:
-        # Every method still compresses twice per timed decode; outputs go to a scratch folder.
-        scratch = Path(tempfile.mkdtemp(prefix="rkvjax-memory-speed-"))
-        # Compilation dominates a tiny run: one context, and FullKV against R-KV only.
-        args.methods = args.methods or ["full", "rkv"]
-        args.contexts = [c for c in args.contexts if c <= 256] or [256]
-        args.new_tokens, args.budget, args.buffer = 32, 32, 16
-        args.repeats = min(args.repeats, 2)
-        args.gen_tokens, args.gen_prompt = 2048, 16
-        args.mem_cap_gb = min(args.mem_cap_gb, 0.05)
-        args.out = args.out or scratch / "memory_speed.jsonl"
-        args.plot = args.plot or scratch / "memory_speed.png"
-    args.methods = args.methods or list(METHODS)
-    args.out = args.out or RESULTS / "memory_speed.jsonl"
-    args.plot = args.plot or RESULTS / "memory_speed.png"
-    if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2")
-    return args
+    p.add_argument(
+        "--data", type=Path, default=common.DATA, help="text for the prompts (math500.jsonl)"
+    )
 
 
-def text_ids(model, path: Path, n: int) -> list[int]:
+def text_ids(model, path, n: int) -> list[int]:
     """At least n token ids of real text (MATH-500 problems back to back), cycled if short;
     random ids for a model without a tokenizer."""
     tok = model.tokenizer
     if tok is None:
-        return np.random.default_rng(0).integers(3, model.config.vocab_size, n).tolist()
+        return common.random_ids(model, n)
     ids: list[int] = []
-    with path.open() as fh:
-        for line in fh:
-            ids += tok.encode(json.loads(line)["problem"] + "\n\n", add_special_tokens=False)
-            if len(ids) >= n:
-                break
+    for problem in common.math500_problems(path):
+        ids += tok.encode(problem + "\n\n", add_special_tokens=False)
+        if len(ids) >= n:
+            break
     return (ids * (n // len(ids) + 1))[:n]
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every weight; a tied embedding is one array, so it counts once."""
-    from flax import nnx
-
-    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.decoder, nnx.Param)))
-
-
-def tree_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
-
-
-def kv_bytes(cfg, batch: int, capacity: int, itemsize: int) -> int:
-    """K and V of every layer plus slot_pos (int32): 2 L B K C H itemsize + L B K C 4."""
-    slots = cfg.num_layers * batch * cfg.kv_heads * capacity
-    return 2 * slots * cfg.head_dim * itemsize + slots * 4
 
 
 def _compression(method: str, args, prompt_len: int, max_new: int):
@@ -123,36 +99,12 @@ def _compression(method: str, args, prompt_len: int, max_new: int):
     )
 
 
-def _copy(state):
-    return jax.tree.map(jnp.copy, state)
-
-
 def _engine(model, method, args, ids, n_new) -> rkvjax.Engine:
     """A runtime with one slot per prompt, every prompt submitted (greedy, n_new tokens)."""
     cc = _compression(method, args, max(map(len, ids)), n_new)
     max_len = requests.bucket(max(map(len, ids)), model.config.max_positions) + n_new - 1
-    eng = rkvjax.Engine(model, slots=len(ids), cache=cc, max_len=max_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
-    eng.submit_many(ids, [greedy] * len(ids))
-    return eng
-
-
-def _decode_all(eng: rkvjax.Engine, state) -> tuple[engine.SlotState, engine.Tokens]:
-    """The decode loop of the runtime, chunk after chunk until every row is done (no stop
-    strings, no admissions); returns the state and the last chunk's output."""
-    while True:
-        state, out = engine.decode(eng.model.decoder, state, steps=eng.chunk, plan=eng.plan)
-        if not bool(jax.device_get(out.active).any()):
-            return state, out
-
-
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return common.submitted(model, ids, [greedy] * len(ids), cc, max_len)
 
 
 def _compression_ms(eng: rkvjax.Engine, state, repeats: int = 5) -> float | None:
@@ -164,15 +116,12 @@ def _compression_ms(eng: rkvjax.Engine, state, repeats: int = 5) -> float | None
         return None
     fn = jax.jit(lambda c, f: policy.compress_lanes(c, f, cc, lanes=1, start=jnp.int32(0)))
     full = jnp.ones(state.cache.length.shape, bool)
-    jax.block_until_ready(fn(state.cache, full))  # compile
-
-    def run():
-        jax.block_until_ready(fn(state.cache, full))
-
-    return _median_s(run, repeats) * 1e3
+    return (
+        common.median_seconds(lambda: jax.block_until_ready(fn(state.cache, full)), repeats) * 1e3
+    )
 
 
-def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
+def speed_rows(model, args, meta: dict, folder) -> list[dict]:
     """Part (a): for each context, prefill a prompt of context - new_tokens tokens once per
     method, then time decoding new_tokens from copies of that state.
 
@@ -202,7 +151,7 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 rows.append({"bench": "memory_speed", "part": "speed", **err, **meta})
                 continue
             c1, t1 = engine.compile_seconds(), time.perf_counter()
-            _decode_all(eng, _copy(state))  # warm-up: compiles the decode chunk
+            common.decode_all(eng, common.copy_state(state))  # warm-up: compiles the chunk
             c2, t2 = engine.compile_seconds(), time.perf_counter()
             runs[method] = {
                 "engine": eng,
@@ -214,13 +163,12 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 "comp_ms": _compression_ms(eng, state),
                 "prefill_comps": prefill_comps,
             }
-        for i in range(args.repeats):
-            order = list(runs)
-            for m in order[i % len(order) :] + order[: i % len(order)]:  # rotate who goes first
+        for order in common.rotations(runs, args.repeats):
+            for m in order:
                 r = runs[m]
-                s = _copy(r["state"])
+                s = common.copy_state(r["state"])
                 t0 = time.perf_counter()
-                s, out = _decode_all(r["engine"], s)
+                s, out, _ = common.decode_all(r["engine"], s)
                 r["times"].append(time.perf_counter() - t0)
                 r["compressions"] = int(jax.device_get(out.compressions).max())
                 r["peak"] = int(jax.device_get(out.peak).max())
@@ -250,8 +198,8 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                 "buffer": args.buffer,
                 "cache_capacity": eng.capacity,
                 "peak_cache_slots": r["peak"],
-                "cache_kv_bytes": kv_bytes(cfg, b, eng.capacity, itemsize),
-                "cache_state_bytes": tree_bytes(r["state"].cache),  # + q window, counters
+                "cache_kv_bytes": common.kv_bytes(cfg, b, eng.capacity, itemsize, positions=True),
+                "cache_state_bytes": common.tree_bytes(r["state"].cache),  # + q window, counters
                 "decode_s": dec,
                 "decode_s_runs": r["times"],
                 "tokens_per_s": tps,
@@ -266,17 +214,13 @@ def speed_rows(model, name: str, args, meta: dict) -> list[dict]:
                     comps * r["comp_ms"] / 1e3 / dec if r["comp_ms"] is not None else 0.0
                 ),
                 "loadavg": os.getloadavg(),
-                "host_max_rss_bytes": _rss(),
+                "host_max_rss_bytes": common.max_rss_bytes(),
                 **meta,
             }
-            emit(row, args.out)
+            common.emit(row, folder)
             rows.append(row)
         runs.clear()
     return rows
-
-
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def compiled_memory(model, cc, capacity: int, batch: int, prompt: int, parts=("decode",)):
@@ -286,15 +230,23 @@ def compiled_memory(model, cc, capacity: int, batch: int, prompt: int, parts=("d
     out = eng.memory_analysis(prompt_len=prompt, parts=parts)
     out["peak_bytes"] = max(out[n]["peak_bytes"] for n in parts if n != "compress")
     # Every program compiled for another batch stays cached, and each holds hundreds of memory
-    # mappings for its code: the search would reach the kernel's limit (65530) and fail.
-    jax.clear_caches()
+    # mappings for its code: the search would reach the kernel's limit (65530) and fail. Below
+    # a safe margin they stay, so a batch compiled twice (a fit batch the search meets again)
+    # compiles once.
+    if _memory_mappings() > 30_000:
+        jax.clear_caches()
     return out
 
 
-def _largest_fitting(peak_of, cap: int, guess: int, limit: int, *, search: bool):
+def _memory_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def _largest_fitting(peak_of, cap: int, guess: int, limit: int):
     """The largest batch in [0, limit] whose compiled peak fits `cap`, by bisection around the
     affine `guess` (peaks grow with the batch, but not exactly affinely: the prefill's
-    temporaries take over at large batches). Without `search`, steps down from the guess only.
+    temporaries take over at large batches).
 
     Returns:
       (batch, {batch: compiled_memory(...)} of every batch compiled).
@@ -307,10 +259,6 @@ def _largest_fitting(peak_of, cap: int, guess: int, limit: int, *, search: bool)
         return peaks[b]["peak_bytes"] <= cap
 
     b = min(max(guess, 1), max(limit, 1))
-    if not search:
-        while b > 0 and not fits(b):
-            b -= 1
-        return b, peaks
     lo, hi = (b, limit + 1) if fits(b) else (0, b)  # fits(lo) or lo == 0; not fits(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -320,7 +268,7 @@ def _largest_fitting(peak_of, cap: int, guess: int, limit: int, *, search: bool)
     return lo, peaks
 
 
-def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
+def capacity_rows(model, args, meta: dict, folder) -> list[dict]:
     """Part (b): the largest batch whose decode (and prefill) fit --mem-cap-gb for a generation
     of --gen-tokens after a --gen-prompt prompt, from compile-only memory analysis.
 
@@ -333,7 +281,7 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
     """
     cap = int(args.mem_cap_gb * 2**30)
     cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
-    w_bytes = weight_bytes(model)
+    w_bytes = common.weight_bytes(model)
     prompt = requests.bucket(args.gen_prompt, args.gen_prompt)
     b1, b2 = sorted(args.fit_batches)
     rows = []
@@ -357,7 +305,6 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
             cap,
             guess,
             state_only,
-            search=True,
         )
         checked, above = peaks.get(best), peaks.get(best + 1)
         row = {
@@ -371,7 +318,7 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
             "mem_cap_bytes": cap,
             "cache_capacity": capacity,
             "weight_bytes": w_bytes,
-            "kv_bytes_per_row": kv_bytes(cfg, 1, capacity, itemsize),
+            "kv_bytes_per_row": common.kv_bytes(cfg, 1, capacity, itemsize, positions=True),
             "state_bytes_per_row": (m2["state_bytes"] - m1["state_bytes"]) / (b2 - b1),
             "peak_bytes_per_row": per_row,
             "peak_bytes_fixed": fixed,
@@ -392,169 +339,127 @@ def capacity_rows(model, name: str, args, meta: dict) -> list[dict]:
             "analysis": "compile-only Compiled.memory_analysis() on this backend, nothing run",
             **meta,
         }
-        emit(row, args.out)
+        common.emit(row, folder)
         rows.append(row)
     return rows
 
 
-def emit(row: dict, out: Path) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as fh:
-        fh.write(line + "\n")
-
-
-def speed_table(rows: list[dict]) -> str:
-    head = (
-        f"{'context':>7} {'method':>9} {'capacity':>8} {'KV MiB':>7} {'tok/s':>6} {'best':>6} "
-        f"{'x full':>6} {'x strm':>6} {'comps':>5} {'comp ms':>7} {'ovh %':>5} {'prefill s':>9}"
+def run(args, folder) -> list[dict]:
+    load0 = os.getloadavg()
+    model, name = common.load_model(args, args.dtype)
+    meta = common.run_meta(model=name, dtype=jnp.dtype(model.dtype).name)
+    speed = [] if args.skip_speed else speed_rows(model, args, meta, folder)
+    cap = [] if args.skip_capacity else capacity_rows(model, args, meta, folder)
+    print(
+        f"\n{name} {meta['dtype']}: load average {load0[0]:.2f} at start, "
+        f"{os.getloadavg()[0]:.2f} at end (1-minute); host peak RSS "
+        f"{common.max_rss_bytes() / 2**30:.1f} GiB",
+        file=sys.stderr,
     )
-    lines = [head, "-" * len(head)]
-
-    def f(x, fmt, width):
-        return f"{'-':>{width}}" if x is None else format(x, fmt)
-
-    for r in rows:
-        if "error" in r:
-            lines.append(f"{r['context']:>7} {r['method']:>9}  failed: {r['error'][:60]}")
-            continue
-        lines.append(
-            f"{r['context']:>7} {r['method']:>9} {r['cache_capacity']:>8} "
-            f"{r['cache_kv_bytes'] / 2**20:>7.1f} {r['tokens_per_s']:>6.2f} "
-            f"{r['tokens_per_s_best']:>6.2f} {f(r.get('speedup_vs_full'), '6.2f', 6)} "
-            f"{f(r.get('speedup_vs_streaming'), '6.2f', 6)} {r['decode_compressions']:>5} "
-            f"{f(r['compression_ms'], '7.1f', 7)} {r['compression_overhead'] * 100:>5.1f} "
-            f"{r['prefill_s']:>9.1f}"
-        )
-    return "\n".join(lines)
+    return speed + cap
 
 
-def capacity_table(rows: list[dict]) -> str:
+def _speed_table(rows: list[dict]) -> str:
+    r0 = next((r for r in rows if "error" not in r), rows[0])
     head = (
-        f"{'method':>9} {'budget':>6} {'capacity':>8} {'KV MiB/row':>10} {'peak MiB/row':>12} "
-        f"{'temp MiB/row':>12} {'cmp MiB/row':>11} {'fixed MiB':>9} {'max batch':>9} "
-        f"{'x full':>6} {'state-only':>10}"
+        f"(a) {r0['model']} {r0['dtype']}, batch {r0.get('batch')}, buffer {r0.get('buffer')}: "
+        f"decode {r0.get('new_tokens')} tokens ending at each context; tok/s: "
+        "median of the repeats, best: fastest; x full, x strm: median per-round speed ratio; "
+        "ovh %: share of the decode spent compressing."
     )
-    lines = [head, "-" * len(head)]
+    columns = [
+        ("context", "context", "d"),
+        ("method", "method", "s"),
+        ("budget", "budget", "d"),
+        ("capacity", "cache_capacity", "d"),
+        ("KV MiB", lambda r: r.get("cache_kv_bytes") and r["cache_kv_bytes"] / 2**20, ".1f"),
+        ("tok/s", "tokens_per_s", ".2f"),
+        ("best", "tokens_per_s_best", ".2f"),
+        ("x full", "speedup_vs_full", ".2f"),
+        ("x strm", "speedup_vs_streaming", ".2f"),
+        ("comps", "decode_compressions", "d"),
+        ("comp ms", "compression_ms", ".1f"),
+        ("ovh %", lambda r: r.get("compression_overhead", 0.0) * 100, ".1f"),
+        ("prefill s", "prefill_s", ".1f"),
+        ("error", lambda r: r.get("error", "")[:60], "s"),
+    ]
+    return f"{head}\n\n{common.markdown_table(rows, columns)}"
+
+
+def _capacity_table(rows: list[dict]) -> str:
+    r0 = rows[0]
+    head = (
+        f"(b) {r0['gen_tokens']}-token generation, {r0['mem_cap_bytes'] / 2**30:g} GiB cap, "
+        f"weights {r0['weight_bytes'] / 2**20:.0f} MiB (compile-only memory analysis)."
+    )
     full = next((r["max_batch"] for r in rows if r["method"] == "full"), None)
-    for r in rows:
-        rel = f"{r['max_batch'] / full:6.1f}" if full else f"{'-':>6}"
+
+    def temp_per_row(r):
         (b1, b2), (t1, t2) = r["fit_batches"], r["decode_temp_bytes_fit"]
-        temp = (t2 - t1) / (b2 - b1)
+        return (t2 - t1) / (b2 - b1) / 2**20
+
+    def cmp_per_row(r):
         c = r["compress_temp_bytes_fit"]
-        cmp = f"{c / b2 / 2**20:11.2f}" if c is not None else f"{'-':>11}"
-        lines.append(
-            f"{r['method']:>9} {r['budget'] or '-':>6} {r['cache_capacity']:>8} "
-            f"{r['kv_bytes_per_row'] / 2**20:>10.2f} {r['peak_bytes_per_row'] / 2**20:>12.2f} "
-            f"{temp / 2**20:>12.2f} {cmp:>11} {r['peak_bytes_fixed'] / 2**20:>9.0f} "
-            f"{r['max_batch']:>9} {rel} {r['max_batch_state_only']:>10}"
-        )
-    return "\n".join(lines)
+        return None if c is None else c / r["fit_batches"][1] / 2**20
+
+    columns = [
+        ("method", "method", "s"),
+        ("budget", "budget", "d"),
+        ("capacity", "cache_capacity", "d"),
+        ("KV MiB/row", lambda r: r["kv_bytes_per_row"] / 2**20, ".2f"),
+        ("peak MiB/row", lambda r: r["peak_bytes_per_row"] / 2**20, ".2f"),
+        ("temp MiB/row", temp_per_row, ".2f"),
+        ("cmp MiB/row", cmp_per_row, ".2f"),
+        ("fixed MiB", lambda r: r["peak_bytes_fixed"] / 2**20, ".0f"),
+        ("max batch", "max_batch", "d"),
+        ("x full", lambda r: r["max_batch"] / full if full else None, ".1f"),
+        ("state-only", "max_batch_state_only", "d"),
+    ]
+    return f"{head}\n\n{common.markdown_table(rows, columns)}"
 
 
-def plot(speed: list[dict], cap: list[dict], path: Path, title: str) -> None:
-    from plot import lines, pyplot, save
+def table(rows: list[dict]) -> str:
+    speed = [r for r in rows if r["part"] == "speed"]
+    cap = [r for r in rows if r["part"] == "capacity"]
+    parts = [_speed_table(speed)] if speed else []
+    return "\n\n".join(parts + ([_capacity_table(cap)] if cap else []))
 
-    plt = pyplot()
-    if plt is None:
-        return
-    speed = [r for r in speed if "error" not in r]
-    panels = (1 if speed else 0) * 2 + (1 if cap else 0)
+
+def plot(plt, rows: list[dict]):
+    """KV cache bytes and decode tokens/s against the context, and the largest batch."""
+    speed = [r for r in rows if r["part"] == "speed" and "error" not in r]
+    cap = [r for r in rows if r["part"] == "capacity"]
+    panels = 2 * bool(speed) + bool(cap)
     if not panels:
-        return
+        return None
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     axes = list(axes[0])
     if speed:
-        methods = sorted({r["method"] for r in speed})
-
-        def series(field, scale=1.0):
-            return {
-                m: (
-                    [r["context"] for r in speed if r["method"] == m],
-                    [r[field] * scale for r in speed if r["method"] == m],
-                )
-                for m in methods
-            }
-
+        budgets = sorted({r["budget"] for r in speed} - {None})
         ax = axes.pop(0)
-        lines(
+        common.lines(
             ax,
-            series("cache_kv_bytes", 2**-20),
+            common.series(speed, "method", "context", "cache_kv_bytes", 2**-20),
             xlabel="context (tokens)",
             ylabel="KV cache MiB",
-            title=title,
+            title=f"{speed[0]['model']}, budget {', '.join(map(str, budgets)) or '-'}",
         )
         ax.set_yscale("log")
-        ax = axes.pop(0)
-        sub = f"batch {speed[0]['batch']}, {speed[0]['new_tokens']} new tokens"
-        lines(
-            ax,
-            series("tokens_per_s"),
+        common.lines(
+            axes.pop(0),
+            common.series(speed, "method", "context", "tokens_per_s"),
             xlabel="context (tokens)",
             ylabel="decode tokens/s",
-            title=sub,
+            title=f"batch {speed[0]['batch']}, {speed[0]['new_tokens']} new tokens",
         )
     if cap:
         ax = axes.pop(0)
-        bars = ax.bar([r["method"] for r in cap], [r["max_batch"] for r in cap])
-        ax.bar_label(bars)
-        ax.set_ylabel(f"max batch in {cap[0]['mem_cap_bytes'] / 2**30:g} GiB")
-        ax.set_title(f"{cap[0]['gen_tokens']}-token generation (compile-only analysis)")
+        common.bars(
+            ax,
+            [r["method"] for r in cap],
+            [r["max_batch"] for r in cap],
+            ylabel=f"max batch in {cap[0]['mem_cap_bytes'] / 2**30:g} GiB",
+            title=f"{cap[0]['gen_tokens']}-token generation (compile-only analysis)",
+        )
         ax.set_yscale("log")
-    save(fig, path)
-    plt.close(fig)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    xla_flags.prefer_memory_on_cpu()  # before anything compiles: see rkvjax/xla_flags.py
-    load0 = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.tiny:
-            path, name = (
-                random_checkpoint.save("tiny", Path(tmp) / "tiny-llama"),
-                "tiny-random-llama",
-            )
-        else:
-            path = args.model
-            name = Path(path).name if path else "SmolLM2-135M-Instruct"
-        model = rkvjax.load(path, dtype=args.dtype)
-    meta = {
-        "model": name,
-        "dtype": jnp.dtype(model.dtype).name,
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "argv": sys.argv[1:],
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
-    speed = [] if args.skip_speed else speed_rows(model, name, args, meta)
-    cap = [] if args.skip_capacity else capacity_rows(model, name, args, meta)
-    print(
-        f"\n{name} {meta['dtype']}: load average {load0[0]:.2f} at start, "
-        f"{os.getloadavg()[0]:.2f} at end (1-minute); host peak RSS {_rss() / 2**30:.1f} GiB",
-        file=sys.stderr,
-    )
-    if speed:
-        print(
-            f"(a) batch {args.batch}, budget {args.budget}, buffer {args.buffer}: decode "
-            f"{args.new_tokens} tokens ending at each context; tok/s: median of {args.repeats}, "
-            "best: fastest; x full, x strm: median per-round speed ratio",
-            file=sys.stderr,
-        )
-        print(speed_table(speed), file=sys.stderr)
-    if cap:
-        print(
-            f"(b) {args.gen_tokens}-token generation, {args.mem_cap_gb:g} GiB cap, weights "
-            f"{cap[0]['weight_bytes'] / 2**20:.0f} MiB",
-            file=sys.stderr,
-        )
-        print(capacity_table(cap), file=sys.stderr)
-    plot(speed, cap, args.plot, f"{name}, budget {args.budget}")
-
-
-if __name__ == "__main__":
-    main()
+    return fig

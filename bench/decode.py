@@ -1,29 +1,26 @@
-"""Decode throughput of rkvjax against Hugging Face transformers, and the bandwidth roofline."""
+"""Decode throughput of rkvjax against Hugging Face transformers, and the bandwidth roofline.
+
+Times `rkvjax.generate` (FullKV, greedy, a fixed number of new tokens) against transformers'
+`generate` on the same weights and prompt ids, and against a weights-only loop of the same
+decoder (no attention, no cache); steps/s = (N - 1) / (t(N) - t(1)). The roofline is the
+machine's measured read bandwidth over the bytes one decode step reads.
+"""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
-import json
 import os
-import platform
-import resource
 import statistics
 import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import random_checkpoint  # bench/, beside this script
 
 import rkvjax
+from bench import common
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decode_throughput.jsonl"
 SYSTEM = "You are a helpful assistant. Answer clearly and concisely."
 QUESTION = (
     "Why is the sky blue during the day but red and orange at sunset? Explain the physics of "
@@ -32,14 +29,22 @@ QUESTION = (
 )
 # Reported once per XLA compilation (trace events nest, so they would double count).
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# One batch and few tokens: compilation dominates a tiny run. transformers stays in: on the
+# tiny model it takes milliseconds.
+TINY = dict(batch=[1], new_tokens=16, repeats=2, bandwidth_mib=64, hf_threads=[1])
+PREFER_MEMORY = False
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+def add_arguments(p) -> None:
+    common.add_model_argument(p)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument(
+        "--new-tokens",
+        type=common.int_at_least(2),
+        default=128,
+        help="at least 2: decode speed is measured from t(N) - t(1)",
+    )
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (at most)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per length, after warm-up")
     p.add_argument(
@@ -53,20 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="torch thread counts to time (default: all cores, and 1); the fastest is the baseline",
     )
-    p.add_argument("--tiny", action="store_true", help="a tiny random model (CI smoke run)")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="array for the bandwidth probe")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON lines are appended here")
-    args = p.parse_args(argv)
-    if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2: decode speed is measured from t(N) - t(1)")
-    if args.hf_threads is None:
-        cores = os.cpu_count() or 1
-        # One thread as well: on a shared machine a descheduled OpenMP thread stalls torch at
-        # every barrier, and the baseline should be the best transformers can do here.
-        args.hf_threads = [cores, 1] if cores > 1 else [1]
-    if args.tiny and args.bandwidth_mib == 1024:
-        args.bandwidth_mib = 256  # the smoke run must stay well under a minute
-    return args
+
+
+def default_hf_threads() -> list[int]:
+    # One thread as well: on a shared machine a descheduled OpenMP thread stalls torch at every
+    # barrier, and the baseline should be the best transformers can do here.
+    cores = os.cpu_count() or 1
+    return [cores, 1] if cores > 1 else [1]
 
 
 class CompileTimer:
@@ -91,18 +90,8 @@ class CompileTimer:
             self.last = self.seconds - start
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _read_gbs(nbytes: int, fn, repeats: int) -> float:
-    fn()
-    return nbytes / _median_time(fn, repeats) / 1e9
+    return nbytes / common.median_seconds(fn, repeats) / 1e9
 
 
 def measure_bandwidth(mib: int, repeats: int = 7) -> dict:
@@ -123,39 +112,24 @@ def measure_bandwidth(mib: int, repeats: int = 7) -> dict:
     return {**out, "gbs": max(out.values())}
 
 
-def prompt_ids(model, target_len: int) -> list[int]:
+def question_ids(model, target_len: int) -> list[int]:
     """A real chat prompt of at most `target_len` tokens (random ids for a model without a
     tokenizer): the question is cut at a word so the template stays intact."""
-    tok = model.tokenizer
-    if tok is None or not tok.has_chat_template:
-        rng = np.random.default_rng(0)
-        return rng.integers(3, model.config.vocab_size, target_len).tolist()
+    if not common.has_chat(model):
+        return common.random_ids(model, target_len)
     words, best = QUESTION.split(), None
     for n in range(1, len(words) + 1):
         msgs = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": " ".join(words[:n])},
         ]
-        ids = tok.chat_ids(msgs)
+        ids = model.tokenizer.chat_ids(msgs)
         if len(ids) > target_len:
             break
         best = ids
     if best is None:
         raise ValueError(f"--prompt-len {target_len} is shorter than the chat template itself")
     return best
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every weight as stored; a tied embedding is one array, so it counts once."""
-    from flax import nnx
-
-    leaves = jax.tree.leaves(nnx.state(model.decoder, nnx.Param))
-    return sum(x.size * x.dtype.itemsize for x in leaves)
-
-
-def kv_bytes_per_step(cfg, batch: int, capacity: int, itemsize: int) -> int:
-    """K and V read by one decode step: every layer attends over all C slots of the cache."""
-    return cfg.num_layers * 2 * batch * cfg.kv_heads * capacity * cfg.head_dim * itemsize
 
 
 def rkvjax_runner(model, batch_ids):
@@ -203,7 +177,7 @@ def torch_device() -> str:
     return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
 
 
-def load_hf(path: Path, dtype: str):
+def load_hf(path, dtype: str):
     import torch
     import transformers as tf
 
@@ -235,12 +209,6 @@ def hf_runner(hf, batch_ids, threads: int):
     return run
 
 
-def _timed(fn, n: int) -> tuple[float, tuple]:
-    t0 = time.perf_counter()
-    out = fn(n)
-    return time.perf_counter() - t0, out
-
-
 def time_engines(runners: dict, repeats: dict, n_new: int, timer: CompileTimer) -> dict:
     """Times t(1) and t(N) of every engine: one warm-up call per length (rkvjax compiles there),
     then the engines take turns repeat by repeat, so load from other processes on a shared
@@ -253,8 +221,8 @@ def time_engines(runners: dict, repeats: dict, n_new: int, timer: CompileTimer) 
     res = {}
     for name, run in runners.items():
         with timer.measure():
-            t1_first, _ = _timed(run, 1)
-            tn_first, (tokens, stats) = _timed(run, n_new)
+            t1_first, _ = common.timed(run, 1)
+            tn_first, (tokens, stats) = common.timed(run, n_new)
         res[name] = {
             "first": (t1_first, tn_first),
             "xla_compile_s": timer.last,
@@ -270,8 +238,8 @@ def time_engines(runners: dict, repeats: dict, n_new: int, timer: CompileTimer) 
                 if i >= repeats[name]:
                     continue
                 r = res[name]
-                r["t1s"].append(_timed(run, 1)[0])
-                t, (_, stats) = _timed(run, n_new)
+                r["t1s"].append(common.timed(run, 1)[0])
+                t, (_, stats) = common.timed(run, n_new)
                 r["tns"].append(t)
                 if stats is not None:  # rkvjax's own count: decode tokens / its decode time
                     r["internal"].append(stats.tokens_per_s)
@@ -301,16 +269,8 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / total if total else 1.0
 
 
-def _peak_memory() -> dict:
-    stats = jax.devices()[0].memory_stats() or {}
-    return {
-        "device_peak_bytes": stats.get("peak_bytes_in_use"),
-        "host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }
-
-
 def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, timer) -> dict:
-    ids = prompt_ids(model, args.prompt_len)
+    ids = question_ids(model, args.prompt_len)
     batch_ids = [list(ids) for _ in range(batch)]
     n = args.new_tokens
     runners = {
@@ -329,8 +289,9 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
     rk = t["rkvjax"]
     capacity = rk["stats"].cache_capacity  # static C: prompt bucket + N - 1 slots
     itemsize = jnp.dtype(model.dtype).itemsize
-    w_bytes = weight_bytes(model)
-    kv_bytes = kv_bytes_per_step(model.config, batch, capacity, itemsize)
+    w_bytes = common.weight_bytes(model)
+    # K and V read by one decode step: every layer attends over all C slots of the cache.
+    kv_bytes = common.kv_bytes(model.config, batch, capacity, itemsize)
     step_bytes = w_bytes + kv_bytes
     roofline = bw["gbs"] * 1e9 / step_bytes
     rk_steps = _steps_per_s(rk, n)
@@ -406,12 +367,14 @@ def bench_config(model, hf, name: str, dtype: str, batch: int, args, bw: dict, t
             speedup_vs_hf_all_cores=all_cores and rk_steps / all_cores["steps_per_s"],
             greedy_agreement_vs_hf=_agreement(rk["tokens"], t[f"hf{best}"]["tokens"]),
         )
-    row.update(_peak_memory())
+    stats = jax.devices()[0].memory_stats() or {}
+    row["device_peak_bytes"] = stats.get("peak_bytes_in_use")
+    row["host_max_rss_bytes"] = common.max_rss_bytes()
     return row
 
 
-def _versions() -> dict:
-    v = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count()}
+def _library_versions() -> dict:
+    v = {}
     with contextlib.suppress(ImportError):
         import torch
 
@@ -420,38 +383,11 @@ def _versions() -> dict:
         import transformers
 
         v["transformers"] = transformers.__version__
-    v["python"] = platform.python_version()
     return v
 
 
-def _table(rows: list[dict]) -> str:
-    def f(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
-    head = (
-        f"{'batch':>5} {'dtype':>8} {'rkv tok/s':>9} {'steps/s':>7} {'hf tok/s':>8} "
-        f"{'hf thr':>6} {'ratio':>5} {'w-only':>6} {'w/hf':>5} "
-        f"{'ttft rkv':>8} {'ttft hf':>7} {'MB/step':>7} {'roof st/s':>9} {'roof %':>6} "
-        f"{'xla cmp':>7} {'load':>4}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['batch']:>5} {r['dtype']:>8} {r['rkvjax_tokens_per_s']:>9.1f} "
-            f"{r['rkvjax_steps_per_s']:>7.1f} {f(r['hf_tokens_per_s'], '8.1f'):>8} "
-            f"{f(r['hf_threads'], 'd'):>6} "
-            f"{f(r['speedup_vs_hf'], '5.2f'):>5} {r['weights_only_steps_per_s']:>6.1f} "
-            f"{f(r['weights_only_vs_hf'], '5.2f'):>5} {r['rkvjax_ttft_s'] * 1e3:>6.0f}ms "
-            f"{f(r['hf_ttft_s'] and r['hf_ttft_s'] * 1e3, '5.0f'):>5}ms "
-            f"{r['bytes_per_step'] / 1e6:>7.0f} {r['roofline_steps_per_s']:>9.1f} "
-            f"{r['roofline_fraction'] * 100:>5.0f}% {r['rkvjax_xla_compile_s']:>6.1f}s "
-            f"{r['load_avg_1m_start']:>4.1f}"
-        )
-    return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def run(args, folder) -> list[dict]:
+    args.hf_threads = args.hf_threads or default_hf_threads()
     threads = os.cpu_count() or 1
     timer = CompileTimer()
     if os.getloadavg()[0] > threads / 2:
@@ -461,40 +397,69 @@ def main(argv=None) -> None:
             file=sys.stderr,
         )
     bw = measure_bandwidth(args.bandwidth_mib)
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.tiny:
-            path, name = (
-                random_checkpoint.save("tiny", Path(tmp) / "tiny-llama"),
-                "tiny-random-llama",
-            )
-        else:
-            path = args.model
-            name = Path(path).name if path else "SmolLM2-135M-Instruct"
-        meta = {**_versions(), "date": datetime.datetime.now(datetime.UTC).isoformat()}
-        rows = []
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        for dtype in args.dtype:
-            model = rkvjax.load(path, dtype=dtype)
-            hf = None if args.no_hf else load_hf(model.path, dtype)
-            for batch in args.batch:
-                row = {**bench_config(model, hf, name, dtype, batch, args, bw, timer), **meta}
-                line = json.dumps(row)
-                print(line, flush=True)
-                with args.out.open("a") as fh:
-                    fh.write(line + "\n")
-                rows.append(row)
-            del model, hf
-    print(
-        f"\nbandwidth {bw['gbs']:.1f} GB/s (numpy {bw['numpy_gbs']:.1f}, numpy x{threads} "
-        f"threads {bw['numpy_threads_gbs']:.1f}, jax {bw['jax_gbs']:.1f}); "
-        f"new tokens {args.new_tokens}; steps/s = (N-1)/(t(N)-t(1)); "
-        "ratio = rkvjax / fastest transformers steps/s; hf thr = its torch threads; "
-        "w-only = steps/s of the same decoder without attention or cache (its weights alone), "
-        "w/hf = that over transformers",
-        file=sys.stderr,
+    meta = common.run_meta(**_library_versions())
+    rows = []
+    for dtype in args.dtype:
+        model, name = common.load_model(args, dtype)
+        hf = None if args.no_hf else load_hf(model.path, dtype)
+        for batch in args.batch:
+            row = {**bench_config(model, hf, name, dtype, batch, args, bw, timer), **meta}
+            common.emit(row, folder)
+            rows.append(row)
+        del model, hf
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    r0 = rows[0]
+    legend = (
+        f"{r0['model']}: bandwidth {r0['bandwidth_gbs']:.1f} GB/s (numpy "
+        f"{r0['bandwidth_numpy_gbs']:.1f}, numpy x{r0['cpus']} threads "
+        f"{r0['bandwidth_numpy_threads_gbs']:.1f}, jax {r0['bandwidth_jax_gbs']:.1f}); new tokens "
+        f"{r0['new_tokens']}; steps/s = (N-1)/(t(N)-t(1)); ratio = rkvjax / fastest "
+        "transformers steps/s; hf thr = its torch threads; w-only = steps/s of the same decoder "
+        "without attention or cache (its weights alone), w/hf = that over transformers."
     )
-    print(_table(rows), file=sys.stderr)
+    columns = [
+        ("batch", "batch", "d"),
+        ("dtype", "dtype", "s"),
+        ("rkv tok/s", "rkvjax_tokens_per_s", ".1f"),
+        ("steps/s", "rkvjax_steps_per_s", ".1f"),
+        ("hf tok/s", "hf_tokens_per_s", ".1f"),
+        ("hf thr", "hf_threads", "d"),
+        ("ratio", "speedup_vs_hf", ".2f"),
+        ("w-only", "weights_only_steps_per_s", ".1f"),
+        ("w/hf", "weights_only_vs_hf", ".2f"),
+        ("ttft rkv ms", lambda r: r["rkvjax_ttft_s"] * 1e3, ".0f"),
+        ("ttft hf ms", lambda r: r["hf_ttft_s"] and r["hf_ttft_s"] * 1e3, ".0f"),
+        ("MB/step", lambda r: r["bytes_per_step"] / 1e6, ".0f"),
+        ("roof st/s", "roofline_steps_per_s", ".1f"),
+        ("roof %", lambda r: r["roofline_fraction"] * 100, ".0f"),
+        ("xla cmp s", "rkvjax_xla_compile_s", ".1f"),
+        ("load", "load_avg_1m_start", ".1f"),
+    ]
+    return f"{legend}\n\n{common.markdown_table(rows, columns)}"
 
 
-if __name__ == "__main__":
-    main()
+def plot(plt, rows: list[dict]):
+    """Tokens/s against batch: rkvjax, its weights-only loop and transformers, per dtype."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        rs = [r for r in rows if r["dtype"] == dtype]
+        batches = [r["batch"] for r in rs]
+        series[f"rkvjax {dtype}"] = (batches, [r["rkvjax_tokens_per_s"] for r in rs])
+        series[f"weights only {dtype}"] = (
+            batches,
+            [r["weights_only_steps_per_s"] * r["batch"] for r in rs],
+        )
+        if all(r["hf_tokens_per_s"] is not None for r in rs):
+            series[f"transformers {dtype}"] = (batches, [r["hf_tokens_per_s"] for r in rs])
+    common.lines(
+        ax,
+        series,
+        xlabel="batch",
+        ylabel="decode tokens/s",
+        title=f"{rows[0]['model']}, {rows[0]['new_tokens']} new tokens",
+    )
+    return fig

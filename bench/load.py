@@ -14,14 +14,10 @@ so the second figure is what the model holds when it runs. That first read is ti
 (`first_read_s`): mapped pages fault in then, not during the load. The files are
 read once before timing, so both formats load from the OS page cache: this measures the loader,
 not the disk.
-
-    python bench/load_time.py                      # default model, float32
-    python bench/load_time.py --dtype bfloat16 --repeats 5
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -31,9 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
+from bench import common
 
-HERE = Path(__file__).resolve().parent
+TINY = dict(repeats=1)
+PREFER_MEMORY = False
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -46,15 +43,15 @@ def rss():  # this process's peak resident set since the last reset (Linux)
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 weights_s = []
-def timed(read):  # the format's own weight reader, until every weight is on device
+def timed_reader(read):  # the format's own weight reader, until every weight is on device
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         decoder = jax.block_until_ready(read(*args, **kwargs))
         weights_s.append(time.perf_counter() - t)
         return decoder
     return wrapper
-checkpoint.restore = timed(checkpoint.restore)
-hf_safetensors.load_weights = timed(hf_safetensors.load_weights)
+checkpoint.restore = timed_reader(checkpoint.restore)
+hf_safetensors.load_weights = timed_reader(hf_safetensors.load_weights)
 path, dtype = sys.argv[1], sys.argv[2]
 jax.devices()  # backend start-up is not part of a load
 startup = time.perf_counter() - t0
@@ -74,13 +71,10 @@ print(json.dumps({"load_s": load_s, "weights_s": weights_s[0], "startup_s": star
 """
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+def add_arguments(p) -> None:
+    common.add_model_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "load_time.jsonl")
-    return p.parse_args(argv)
 
 
 def _read_all(folder: Path) -> None:
@@ -124,31 +118,31 @@ def _child(path: Path, dtype: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> None:
+def run(args, folder) -> list[dict]:
     from rkvjax.convert import checkpoint
 
-    import rkvjax
-
-    args = parse_args(argv)
-    hf_folder = rkvjax.load(args.model, dtype=args.dtype).path  # prepares a .gguf / the default
+    model, name = common.load_model(args, args.dtype)  # prepares a .gguf / the default
+    hf_folder = model.path
+    del model
     with tempfile.TemporaryDirectory() as tmp:
         orbax_folder = checkpoint.convert(hf_folder, Path(tmp) / "converted", dtype=args.dtype)
         st_folder = safetensors_copy(hf_folder, Path(tmp) / "hf", args.dtype)
         formats = {"safetensors": st_folder, "orbax": orbax_folder}
-        for folder in formats.values():
-            _read_all(folder)
-        runs = {name: [] for name in formats}
+        for f in formats.values():
+            _read_all(f)
+        runs = {fmt: [] for fmt in formats}
         for _ in range(args.repeats):
-            for name, folder in formats.items():
-                runs[name].append(_child(folder, args.dtype))
-        sizes = {name: _folder_bytes(folder) for name, folder in formats.items()}
+            for fmt, f in formats.items():
+                runs[fmt].append(_child(f, args.dtype))
+        sizes = {fmt: _folder_bytes(f) for fmt, f in formats.items()}
+    meta = common.run_meta()
     rows = []
-    for name, rs in runs.items():
+    for fmt, rs in runs.items():
         row = {
             "bench": "load_time",
-            "model": hf_folder.name,
+            "model": name,
             "dtype": args.dtype,
-            "format": name,
+            "format": fmt,
             "repeats": args.repeats,
             "load_s": statistics.median(r["load_s"] for r in rs),
             "load_s_runs": [r["load_s"] for r in rs],
@@ -157,37 +151,57 @@ def main(argv=None) -> None:
             "startup_s": statistics.median(r["startup_s"] for r in rs),
             "peak_rss_bytes": statistics.median(r["rss_peak"] for r in rs),
             "rss_before_load_bytes": statistics.median(r["rss_before"] for r in rs),
-            "folder_bytes": sizes[name],
-            "jax": jax.__version__,
-            "cpus": os.cpu_count(),
+            "folder_bytes": sizes[fmt],
             "load_avg_1m": os.getloadavg()[0],
+            **meta,
         }
         row["peak_rss_added_bytes"] = row["peak_rss_bytes"] - row["rss_before_load_bytes"]
         row["rss_in_use_added_bytes"] = (
             statistics.median(r["rss_in_use"] for r in rs) - row["rss_before_load_bytes"]
         )
+        common.emit(row, folder)
         rows.append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-            print(json.dumps(row))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
     base = rows[0]
-    print(
-        f"\n{'format':>12} {'load s':>7} {'x faster':>8} {'weights s':>9} {'x faster':>8} "
-        f"{'1st read s':>10} {'load MiB':>8} {'in use MiB':>10} {'on disk MiB':>11}",
-        file=sys.stderr,
+    head = (
+        f"{base['model']} {base['dtype']}, medians of {base['repeats']} loads per format, each in "
+        "a fresh process; x faster: against the first format; MiB: host memory added by the "
+        "load, in use once every weight byte was read, and on disk."
     )
-    for r in rows:
-        print(
-            f"{r['format']:>12} {r['load_s']:>7.2f} {base['load_s'] / r['load_s']:>8.2f} "
-            f"{r['weights_s']:>9.3f} {base['weights_s'] / r['weights_s']:>8.2f} "
-            f"{r['first_read_s']:>10.3f} "
-            f"{r['peak_rss_added_bytes'] / 2**20:>8.0f} "
-            f"{r['rss_in_use_added_bytes'] / 2**20:>10.0f} {r['folder_bytes'] / 2**20:>11.0f}",
-            file=sys.stderr,
-        )
+    mib = 2**-20
+    columns = [
+        ("format", "format", "s"),
+        ("load s", "load_s", ".2f"),
+        ("x faster", lambda r: base["load_s"] / r["load_s"], ".2f"),
+        ("weights s", "weights_s", ".3f"),
+        ("x faster", lambda r: base["weights_s"] / r["weights_s"], ".2f"),
+        ("1st read s", "first_read_s", ".3f"),
+        ("load MiB", lambda r: r["peak_rss_added_bytes"] * mib, ".0f"),
+        ("in use MiB", lambda r: r["rss_in_use_added_bytes"] * mib, ".0f"),
+        ("on disk MiB", lambda r: r["folder_bytes"] * mib, ".0f"),
+    ]
+    return f"{head}\n\n{common.markdown_table(rows, columns)}"
 
 
-if __name__ == "__main__":
-    main()
+def plot(plt, rows: list[dict]):
+    """Load time (with the weight read inside it) and host memory, per format."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 4))
+    labels = [r["format"] for r in rows]
+    common.bars(
+        ax1,
+        labels,
+        [r["load_s"] for r in rows],
+        ylabel="load s",
+        title=f"{rows[0]['model']} {rows[0]['dtype']}",
+    )
+    common.bars(
+        ax2,
+        labels,
+        [r["rss_in_use_added_bytes"] * 2**-20 for r in rows],
+        ylabel="host MiB in use after the first read",
+        title="",
+    )
+    return fig

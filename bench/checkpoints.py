@@ -1,7 +1,7 @@
 """Random-init Hugging Face checkpoints of named shapes, for benchmarks that need no trained
 weights: the CI smoke runs (`tiny`) and speed runs of models too large to ship here.
 
-    python bench/random_checkpoint.py r1-distill-qwen-1.5b /tmp/q15 --dtype bfloat16
+    python -m bench.checkpoints r1-distill-qwen-1.5b /tmp/q15 --dtype bfloat16
 
 Speed does not depend on the weights' values, so a random model of the right shape decodes as
 fast as the trained one. Needs torch and transformers (the `test` extra).

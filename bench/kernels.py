@@ -1,35 +1,30 @@
 """Redundancy scoring: the Pallas kernel against the jnp path, time and compiled memory vs n.
 
-One JSON line per (n, implementation) on stdout; nothing is asserted. Memory is XLA's compiled
-estimate (`memory_analysis()`: arguments + outputs + temporaries) and needs no run, so it is
-reported for both paths at every n, on any backend. Timing runs the jnp path everywhere (up to
---max-time-n on CPU, where the n x n temporaries get large) and the kernel only where Pallas
-compiles (GPU / TPU) or with --time-kernel: on CPU the kernel runs in interpret mode, which is
-correct but orders of magnitude slower, so its CPU time says nothing about the kernel.
-
-    python bench/kernel_redundancy.py                 # n = 256 .. 8192
-    python bench/kernel_redundancy.py --tiny          # a few seconds: CI smoke run
+One row per (n, implementation); nothing is asserted. Memory is XLA's compiled estimate
+(`memory_analysis()`: arguments + outputs + temporaries) and needs no run, so it is reported for
+both paths at every n, on any backend. Timing runs the jnp path everywhere (up to --max-time-n
+on CPU, where the n x n temporaries get large) and the kernel only where Pallas compiles
+(GPU / TPU) or with --time-kernel: on CPU the kernel runs in interpret mode, which is correct
+but orders of magnitude slower, so its CPU time says nothing about the kernel.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import common
 from rkvjax import compression
-from rkvjax.kernels import tuning
-from rkvjax.kernels.redundancy import redundancy as redundancy_pallas
+from rkvjax.kernels import redundancy_pallas, tuning
+
+TINY = dict(sizes=[64, 128], batch=1, kv_heads=2, head_dim=64, repeats=1, time_kernel=True)
+PREFER_MEMORY = False
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
     p.add_argument("--batch", type=int, default=1, help="B rows")
     p.add_argument("--kv-heads", type=int, default=8, help="K KV heads")
@@ -42,13 +37,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed calls after one warm-up")
     p.add_argument("--time-kernel", action="store_true", help="time the kernel on CPU too")
     p.add_argument("--max-time-n", type=int, default=2048, help="largest n timed on CPU")
-    p.add_argument("--tiny", action="store_true", help="two small sizes, one repeat")
-    args = p.parse_args(argv)
-    if args.tiny:
-        args.sizes = [64, 128]
-        args.batch, args.kv_heads, args.head_dim, args.repeats = 1, 2, 64, 1
-        args.time_kernel = True
-    return args
 
 
 def inputs(n: int, args) -> tuple[jax.Array, jax.Array]:
@@ -72,17 +60,10 @@ def memory(fn, *xs) -> dict:
 def seconds(fn, *xs, repeats: int) -> float:
     """Median wall time of one call after a warm-up (compile) call."""
     fn = jax.jit(fn)
-    jax.block_until_ready(fn(*xs))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*xs))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return common.median_seconds(lambda: jax.block_until_ready(fn(*xs)), repeats)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def run(args, folder) -> list[dict]:
     backend = tuning.backend()
     interpret = backend == "cpu"
     kw = dict(window=args.window, threshold=0.5, retain=args.retain)
@@ -96,11 +77,13 @@ def main(argv=None) -> None:
             interpret=interpret,
         ),
     }
+    meta = common.run_meta(backend=backend)
+    rows = []
     for n in args.sizes:
         keys, valid = inputs(n, args)
         results = {}
         for name, fn in paths.items():
-            timed = (name == "jnp" and (not interpret or n <= args.max_time_n)) or (
+            is_timed = (name == "jnp" and (not interpret or n <= args.max_time_n)) or (
                 name == "pallas" and (not interpret or args.time_kernel)
             )
             row = {
@@ -111,20 +94,61 @@ def main(argv=None) -> None:
                 "kv_heads": args.kv_heads,
                 "head_dim": args.head_dim,
                 "dtype": args.dtype,
-                "backend": backend,
                 "interpret": interpret and name == "pallas",
                 # An n x n float32 matrix per (row, KV head): what the kernel never writes.
                 "dense_matrix_bytes": 4 * n * n * args.batch * args.kv_heads,
                 **memory(fn, keys, valid),
-                "seconds": seconds(fn, keys, valid, repeats=args.repeats) if timed else None,
+                "seconds": seconds(fn, keys, valid, repeats=args.repeats) if is_timed else None,
+                **meta,
             }
-            if timed:
+            if is_timed:
                 results[name] = jax.jit(fn)(keys, valid)
             if len(results) == 2:
                 diff = jnp.max(jnp.abs(results["jnp"] - results["pallas"]))
                 row["max_abs_diff_vs_jnp"] = float(diff)
-            print(json.dumps(row), flush=True)
+            common.emit(row, folder)
+            rows.append(row)
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+def table(rows: list[dict]) -> str:
+    r0 = rows[0]
+    head = (
+        f"B={r0['batch']}, K={r0['kv_heads']}, H={r0['head_dim']}, {r0['dtype']}, "
+        f"{r0['backend']}{' (kernel in interpret mode)' if r0['backend'] == 'cpu' else ''}; "
+        "memory: XLA's compiled estimate."
+    )
+    mib = 2**-20
+    columns = [
+        ("n", "n", "d"),
+        ("impl", "impl", "s"),
+        ("ms", lambda r: r["seconds"] and r["seconds"] * 1e3, ".2f"),
+        ("temp MiB", lambda r: r["temp_bytes"] and r["temp_bytes"] * mib, ".1f"),
+        ("peak MiB", lambda r: r["peak_bytes"] and r["peak_bytes"] * mib, ".1f"),
+        ("n x n MiB", lambda r: r["dense_matrix_bytes"] * mib, ".1f"),
+        ("max diff vs jnp", "max_abs_diff_vs_jnp", ".1e"),
+    ]
+    return f"{head}\n\n{common.markdown_table(rows, columns)}"
+
+
+def plot(plt, rows: list[dict]):
+    """Time and compiled temporaries against n, per implementation."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    title = f"redundancy, {rows[0]['backend']}"
+    common.lines(
+        ax1,
+        common.series(rows, "impl", "n", "seconds", 1e3),
+        xlabel="n (keys)",
+        ylabel="ms",
+        title=title,
+    )
+    common.lines(
+        ax2,
+        common.series(rows, "impl", "n", "temp_bytes", 2**-20),
+        xlabel="n (keys)",
+        ylabel="temporaries MiB",
+        title=title,
+    )
+    for ax in (ax1, ax2):
+        ax.set_yscale("log")
+    return fig

@@ -1,0 +1,108 @@
+"""The benchmark suite: every suite's tiny variant end to end, and the shared helpers."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+import rkvjax
+from bench import checkpoints, common
+from bench.__main__ import SUITES, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(f.relative_to(folder)): f.stat().st_size for f in folder.rglob("*") if f.is_file()}
+
+
+def test_every_tiny_suite_writes_rows_table_and_plot(tmp_path):
+    history = _files(common.RESULTS)
+    # Not this process's XLA_FLAGS (8 host devices for the sharding tests): the suite sets its
+    # own, as it would from a shell.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", RKVJAX_COMPILE_CACHE="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "all", "--tiny", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    plots = importlib.util.find_spec("matplotlib") is not None
+    for suite in SUITES:
+        folder = tmp_path / suite
+        rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+        assert rows, suite
+        assert all(r["bench"] and r["argv"][0] == "all" for r in rows), suite
+        assert "|---" in (folder / "table.md").read_text(), suite
+        assert (folder / "plot.png").is_file() == plots, suite
+    assert _files(common.RESULTS) == history  # smoke runs leave the recorded results alone
+
+
+def test_parse_args_suite_options_and_tiny_defaults():
+    args, suites = parse_args(["jobs", "--repeats", "3"])
+    assert list(suites) == ["jobs"] and suites["jobs"].repeats == 3
+    assert suites["jobs"].slots == 16 and not args.tiny  # the full-size default
+    _, suites = parse_args(["all", "--tiny"])
+    assert list(suites) == list(SUITES)
+    assert suites["decode"].batch == [1] and suites["memory"].methods == ["rkv"]
+    # An option given on the command line wins over the tiny default.
+    _, suites = parse_args(["memory", "--tiny", "--methods", "full"])
+    assert suites["memory"].methods == ["full"] and suites["memory"].contexts == [256]
+    with pytest.raises(SystemExit):
+        parse_args(["decode", "memory", "--batch", "4"])  # suite options need one suite
+
+
+def test_markdown_table_and_timings():
+    rows = [{"a": 1.234, "b": None}, {"a": 10.0}]
+    columns = [("A", "a", ".1f"), ("B", "b", "d"), ("2A", lambda r: 2 * r["a"], ".0f")]
+    assert common.markdown_table(rows, columns).splitlines() == [
+        "| A | B | 2A |",
+        "|---|---|---|",
+        "| 1.2 | - | 2 |",
+        "| 10.0 | - | 20 |",
+    ]
+    calls = []
+    times = common.timings(lambda: calls.append(1), 4, warmup=3)
+    assert len(times) == 4 and len(calls) == 7
+    calls.clear()
+    # A spent budget stops the timing at the minimum number of calls.
+    times = common.timings(lambda: calls.append(1), 50, warmup=1, budget_s=0.0, min_repeats=5)
+    assert len(times) == 5 and len(calls) == 6
+    assert [list(r) for r in common.rotations("abc", 4)] == [
+        list("abc"),
+        list("bca"),
+        list("cab"),
+        list("abc"),
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_byte_counts_match_the_engine(tmp_path, dtype):
+    """kv_bytes is the engine's own cache layout (bfloat16 stored as uint16) and weight_bytes
+    the checkpoint's tensors (the tied embedding once)."""
+    from safetensors.numpy import load_file
+
+    folder = checkpoints.save("tiny", tmp_path / "tiny", dtype=dtype)
+    model = rkvjax.load(folder, dtype=dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    tensors = load_file(folder / "model.safetensors")
+    assert common.weight_bytes(model) == sum(t.nbytes for t in tensors.values())
+    for cc, capacity in [(rkvjax.compression_config("rkv", 32, buffer=16), 48), (None, 40)]:
+        eng = rkvjax.Engine(model, slots=3, cache=cc, max_len=capacity)
+        cache = eng.state_shapes().cache
+        assert eng.capacity == capacity
+        kv = common.tree_bytes((cache.k, cache.v))
+        assert common.kv_bytes(model.config, 3, capacity, itemsize) == kv
+        with_positions = common.tree_bytes((cache.k, cache.v, cache.slot_pos))
+        assert (
+            common.kv_bytes(model.config, 3, capacity, itemsize, positions=True) == with_positions
+        )
