@@ -221,9 +221,9 @@ def _sampling(args: argparse.Namespace) -> dict:
     }
 
 
-def _checked_sampling(args: argparse.Namespace) -> dict:
-    """The sampling flags, checked before anything slow starts."""
-    fields = _sampling(args)
+def _checked_sampling(args: argparse.Namespace, fields: dict | None = None) -> dict:
+    """The sampling flags (or `fields` made of them), checked before anything slow starts."""
+    fields = _sampling(args) if fields is None else fields
     try:
         SamplingParams(**fields)
     except ValueError as e:
@@ -347,10 +347,7 @@ def _eval(args: argparse.Namespace) -> int:
     fields = _sampling(args)
     if fields["max_tokens"] is None:  # the recipe's length, fitted to the model once loaded
         del fields["max_tokens"]
-    try:
-        SamplingParams(**fields)
-    except ValueError as e:
-        raise ValueError(f"sampling flags: {e}") from None
+    _checked_sampling(args, fields)
     evaluation.read_problems(args.data, args.limit)  # bad lines fail before the model loads
     model = _load(args)
     summary = evaluation.run_eval(

@@ -9,10 +9,10 @@ samples again.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from rkvjax.jobs.inputs import json_line
 from rkvjax.jobs.quote import show
 
 PROBLEM_FIELDS = ("problem", "question")
@@ -78,13 +78,7 @@ def read_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
             if not raw.strip():
                 continue
             where = f"{path}:{n}"
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 text ({e.reason})") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            p = _problem(obj, where, n)
+            p = _problem(json_line(raw, where), where, n)
             if p.id in lines:
                 raise ValueError(f"{where}: duplicate id {p.id!r} (line {lines[p.id]} has it)")
             lines[p.id] = n

@@ -153,14 +153,19 @@ def _rkvjax_line(obj: dict, where: str, line: int, defaults: Mapping[str, Any]) 
     return Request(line, rid, prompt, resolve_sampling(fields, defaults, rid, where))
 
 
-def parse_line(raw: bytes, where: str, line: int, defaults: Mapping[str, Any]) -> Request:
-    """One input line -> a Request, or a ValueError naming `where` and what is wrong."""
+def json_line(raw: bytes, where: str) -> Any:
+    """One line of a JSONL file, decoded; a ValueError naming `where` if it is not UTF-8 JSON."""
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"{where}: not UTF-8 text ({e.reason})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+
+
+def parse_line(raw: bytes, where: str, line: int, defaults: Mapping[str, Any]) -> Request:
+    """One input line -> a Request, or a ValueError naming `where` and what is wrong."""
+    obj = json_line(raw, where)
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object with `prompt`, got {show(obj)}")
     if openai_batch.is_batch_line(obj):
