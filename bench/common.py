@@ -302,9 +302,15 @@ def prefilled(model, ids, params, cc):
     return eng, eng.prefilled()
 
 
+def paired_speedup(slow: Sequence[float], fast: Sequence[float]) -> float:
+    """The median of per-round time ratios slow / fast: settings timed in the same rounds cancel
+    slow drifts in the load of a shared machine better than a ratio of medians does."""
+    return statistics.median(a / b for a, b in zip(slow, fast, strict=True))
+
+
 def time_decodes(settings: dict, repeats: int) -> dict:
-    """name -> (engine, state): decode times of each, in alternating order after a warm-up, and
-    the tokens each made."""
+    """name -> (engine, state): decode times of each, in alternating order after a warm-up, the
+    tokens each made, and its tokens/s over the median time."""
     times = {name: [] for name in settings}
     made = {}
     for eng, state in settings.values():  # warm-up compiles the decode chunk
@@ -315,7 +321,8 @@ def time_decodes(settings: dict, repeats: int) -> dict:
             dt, (_, _, n) = timed(decode_all, eng, copy_state(state))
             times[name].append(dt)
             made[name] = n
-    return {"times": times, "made": made}
+    tokens_per_s = {name: made[name] / statistics.median(ts) for name, ts in times.items()}
+    return {"times": times, "made": made, "tokens_per_s": tokens_per_s}
 
 
 # -- tables and plots ---------------------------------------------------------------------

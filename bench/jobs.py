@@ -148,9 +148,7 @@ def run(args, folder) -> list[dict]:
                 times[mode].append(wall - comp)
                 compiles[mode].append(comp)
     total = sum(lengths)
-    ratio = statistics.median(
-        b / c for b, c in zip(times["batch_by_batch"], times["continuous"], strict=True)
-    )
+    ratio = common.paired_speedup(times["batch_by_batch"], times["continuous"])
     s = args.slots
     steps = sum(max(lengths[j : j + s]) - 1 for j in range(0, args.requests, s))
     rt = summaries["continuous"]["runtime"]

@@ -175,12 +175,8 @@ def speed_rows(model, args, meta: dict, folder) -> list[dict]:
                 del s
         for method, r in runs.items():
             eng, dec = r["engine"], statistics.median(r["times"])
-            # Methods run in the same rounds, so per-round time ratios cancel slow drifts in the
-            # load of a shared machine better than ratios of medians.
             paired = {
-                f"speedup_vs_{ref}": statistics.median(
-                    a / b for a, b in zip(runs[ref]["times"], r["times"], strict=True)
-                )
+                f"speedup_vs_{ref}": common.paired_speedup(runs[ref]["times"], r["times"])
                 for ref in ("full", "streaming")
                 if ref in runs
             }

@@ -12,7 +12,6 @@ alike; medians are reported, and per-round ratios.
 from __future__ import annotations
 
 import os
-import statistics
 
 import numpy as np
 
@@ -55,10 +54,8 @@ def run(args, folder) -> list[dict]:
                 for m in METHODS
             }
             t = common.time_decodes(settings, args.repeats)
-            tps = {m: t["made"][m] / statistics.median(ts) for m, ts in t["times"].items()}
-            ratio = statistics.median(
-                s / r for r, s in zip(t["times"]["rkv"], t["times"]["streaming"], strict=True)
-            )
+            tps = t["tokens_per_s"]
+            ratio = common.paired_speedup(t["times"]["streaming"], t["times"]["rkv"])
             row = {
                 "bench": "runtime_speed",
                 "part": "ragged",

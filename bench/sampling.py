@@ -79,10 +79,8 @@ def engine_rows(args, folder) -> list[dict]:
         "top_p": common.prefilled(model, ids, nucleus, cc),
     }
     t = common.time_decodes(settings, args.repeats)
-    tps = {m: t["made"][m] / statistics.median(ts) for m, ts in t["times"].items()}
-    ratio = statistics.median(
-        g / p for g, p in zip(t["times"]["greedy"], t["times"]["top_p"], strict=True)
-    )
+    tps = t["tokens_per_s"]
+    ratio = common.paired_speedup(t["times"]["greedy"], t["times"]["top_p"])
     row = {
         "bench": "runtime_speed",
         "part": "sampling",
