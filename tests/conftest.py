@@ -99,11 +99,29 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
+SMOKE_TEST = "test_every_tiny_suite_writes_rows_table_and_plot"
+
+
 def pytest_collection_modifyitems(config, items):
     import jax
+
+    # The benchmark smoke run goes last and starts now, in its own process, so it runs beside
+    # the other tests (tests/test_bench.py: SmokeRun).
+    smoke = [i for i in items if i.name == SMOKE_TEST]
+    if smoke and not config.option.collectonly:
+        items[:] = [i for i in items if i.name != SMOKE_TEST] + smoke
+        smoke[0].module.start_smoke_run()
 
     if jax.default_backend() != "gpu":
         skip = pytest.mark.skip(reason="needs a GPU")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    bench = sys.modules.get("tests.test_bench")
+    if bench is not None:
+        bench.stop_smoke_run()  # a session stopped early leaves no run behind

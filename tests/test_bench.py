@@ -3,8 +3,10 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -21,30 +23,75 @@ def _files(folder: Path) -> dict[str, int]:
     return {str(f.relative_to(folder)): f.stat().st_size for f in folder.rglob("*") if f.is_file()}
 
 
-def test_every_tiny_suite_writes_rows_table_and_plot(tmp_path):
-    history = _files(common.RESULTS)
-    # Not this process's XLA_FLAGS (8 host devices for the sharding tests): the suite sets its
-    # own, as it would from a shell.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", RKVJAX_COMPILE_CACHE="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "all", "--tiny", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+class SmokeRun:
+    """`python -m bench all --tiny` in its own process, started when the session's tests are
+    collected (tests/conftest.py) and checked by the session's last test. The suite is a
+    couple of minutes of single-threaded XLA compilation; beside the other tests' it uses the
+    second core instead of adding its whole time to the session's."""
+
+    def __init__(self):
+        self.history = _files(common.RESULTS)
+        self.out = Path(tempfile.mkdtemp(prefix="rkvjax-bench-smoke-"))
+        self.log = (self.out / "log.txt").open("w")
+        # Not this process's XLA_FLAGS (8 host devices for the sharding tests): the suite sets
+        # its own, as it would from a shell.
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env.update(JAX_PLATFORMS="cpu", RKVJAX_COMPILE_CACHE="0")
+        # A file, not a pipe: nothing reads a pipe while the other tests run, and a full one
+        # would stall the suite.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench", "all", "--tiny", "--out", str(self.out / "results")],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """-> (return code, the run's output)."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        return code, (self.out / "log.txt").read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+_smoke: SmokeRun | None = None
+
+
+def start_smoke_run() -> None:
+    global _smoke
+    _smoke = SmokeRun()
+
+
+def stop_smoke_run() -> None:
+    if _smoke is not None:
+        _smoke.stop()
+        shutil.rmtree(_smoke.out, ignore_errors=True)
+
+
+def test_every_tiny_suite_writes_rows_table_and_plot():
+    if _smoke is None:  # not started by the session (e.g. run from another conftest)
+        start_smoke_run()
+    code, log = _smoke.wait(timeout=900)
+    assert code == 0, log[-5000:]
+    out = _smoke.out / "results"
     plots = importlib.util.find_spec("matplotlib") is not None
     for suite in SUITES:
-        folder = tmp_path / suite
+        folder = out / suite
         rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
         assert rows, suite
         assert all(r["bench"] and r["argv"][0] == "all" for r in rows), suite
         assert "|---" in (folder / "table.md").read_text(), suite
         assert (folder / "plot.png").is_file() == plots, suite
-    assert _files(common.RESULTS) == history  # smoke runs leave the recorded results alone
+    assert _files(common.RESULTS) == _smoke.history  # smoke runs leave the recorded results alone
 
 
 def test_parse_args_suite_options_and_tiny_defaults():
