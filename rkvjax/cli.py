@@ -123,6 +123,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="I/N",
         help="run shard I of N of the input (by id), e.g. one per host; `rkvjax merge` joins them",
     )
+    b.add_argument(
+        "--order",
+        choices=jobs.ORDERS,
+        default="longest",
+        help="which requests take free slots first: the largest max_tokens (default; the job "
+        "ends sooner) or input order; the tokens are the same",
+    )
     b.add_argument("--token-ids", action="store_true", help="also write generated token ids")
     _add_generation_args(b)
     e = sub.add_parser(
@@ -309,7 +316,11 @@ def _batch(args: argparse.Namespace) -> int:
     jobs.preflight(args.input, args.output, defaults=defaults)
     model = _load(args)
     runner = jobs.EngineRunner(
-        model, cache=_cache(args), slots=args.slots, chat=False if args.no_chat else None
+        model,
+        cache=_cache(args),
+        slots=args.slots,
+        chat=False if args.no_chat else None,
+        order=args.order,
     )
     summary = jobs.run_job(
         runner,

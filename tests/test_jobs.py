@@ -192,6 +192,32 @@ def test_engine_job_honours_per_request_settings(tiny, tmp_path):
     assert got["seeded", 0] != got["seeded", 1]  # two draws of one prompt
 
 
+def test_engine_job_admits_the_longest_requests_first(tiny, tmp_path):
+    """By default a freed slot takes the request with the largest max_tokens (ties in input
+    order); `order="input"` keeps the file's order. One slot finishes requests in the order
+    they were admitted, and the tokens do not depend on it."""
+    budgets = {"a": 3, "b": 9, "c": 5, "d": 9}
+    rows = [
+        {"id": k, "prompt_token_ids": [3, 4 + i], "max_tokens": m}
+        for i, (k, m) in enumerate(budgets.items())
+    ]
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, rows)
+    model = rkvjax.load(tiny)
+    tokens = {}
+    for order, want in [("longest", "bdca"), ("input", "abcd")]:
+        dst = tmp_path / f"{order}.jsonl"
+        runner = jobs.EngineRunner(model, cache={"method": "full"}, slots=1, order=order)
+        _run(runner, src, dst, defaults={"temperature": 0.0, "ignore_eos": True}, token_ids=True)
+        got = _read_results(dst)
+        assert "".join(r["id"] for r in got) == want
+        tokens[order] = {r["id"]: r["token_ids"] for r in got}
+    assert tokens["longest"] == tokens["input"]
+    assert {k: len(v) for k, v in tokens["input"].items()} == budgets
+    with pytest.raises(ValueError, match="order must be one of longest, input"):
+        jobs.EngineRunner(model, cache={"method": "full"}, order="shortest")
+
+
 def test_engine_job_answers_openai_batch_lines(tiny, tmp_path):
     """OpenAI batch lines in, the OpenAI batch output shape out: every sample a choice of one
     response, logprobs when asked, usage summed."""

@@ -26,6 +26,7 @@ from rkvjax.jobs.output import (
 )
 from rkvjax.jobs.run import (
     DEFAULT_JOB_SLOTS,
+    ORDERS,
     EngineRunner,
     Runner,
     preflight,
@@ -38,6 +39,7 @@ __all__ = [
     "DEFAULT_JOB_SLOTS",
     "FORMAT_VERSION",
     "HEADER_KEY",
+    "ORDERS",
     "EngineRunner",
     "JobOutput",
     "Request",
