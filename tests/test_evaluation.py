@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from rkvjax import cli, evaluation
+from rkvjax import cli, evaluation, jobs
 from rkvjax.evaluation import grading, metrics
 
 # (reference, completion, correct): the pairs a MATH grader must get right.
@@ -243,6 +243,37 @@ def test_eval_end_to_end_resumes_after_a_kill(
     full = evaluation.run_eval(smol, data, tmp_path / "full", **{**full_kw, "limit": 1})
     assert full["method"] == "full" and full["budget"] is None
     assert full["mean_compressions"] == 0 and full["samples"] == 2
+
+
+def test_default_length_leaves_room_for_the_instruction_used(
+    smol, shared_data, tmp_path, monkeypatch
+):
+    """Without max_tokens an evaluation generates what the context leaves after the file's
+    longest prompt, the instruction it was given included: the same length (a setting of the
+    output's header) whatever --limit, so a rerun with a larger limit adds problems."""
+    data = shared_data / "aime24.jsonl"
+    lengths = []
+
+    def record(runner, reqs, output_path, *, settings, **kw):
+        lengths.append(settings["max_tokens"])
+        raise KeyboardInterrupt  # before any work
+
+    monkeypatch.setattr(jobs, "run_requests", record)
+    for limit in (1, 5):
+        with pytest.raises(KeyboardInterrupt):
+            evaluation.run_eval(smol, data, tmp_path / "out", limit=limit, progress=False)
+    assert lengths == [evaluation.default_max_tokens(smol, evaluation.read_problems(data))] * 2
+    # (the first problem alone would leave more room: the check can tell the two apart)
+    assert evaluation.default_max_tokens(smol, evaluation.read_problems(data, 1)) > lengths[0]
+    problems = evaluation.read_problems(shared_data / "math500.jsonl", 3)
+    words = "Think very carefully about every step before you answer. " * 8
+    extra = len(smol.tokenizer.encode(" " + words.strip()))
+    plain = evaluation.default_max_tokens(smol, problems)
+    longer = evaluation.default_max_tokens(smol, problems, evaluation.R1_INSTRUCTION + " " + words)
+    assert plain == smol.config.max_positions - max(
+        len(smol.tokenizer.chat_ids(evaluation.prompt_of(p))) for p in problems
+    )
+    assert abs((plain - longer) - extra) <= 2  # BPE merges at the seam move a token or two
 
 
 def test_eval_refuses_a_foreign_summary_before_work(smol, shared_data, tmp_path):

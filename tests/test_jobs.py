@@ -356,15 +356,16 @@ def test_rerun_writes_only_the_missing_samples_of_a_request(tmp_path):
     assert sorted(got) == [("a", 0), ("a", 1), ("a", 2), ("b", 0)] and len(got) == 4
 
 
-# A job whose runner takes 0.1 s per sample instead of a model.
+# A job whose runner takes 0.1 s per sample instead of a model; with HOLD set it stops after
+# two samples until a signal ends it (a loaded machine must not let it finish first).
 _SLOW_JOB = """
-import sys, time
+import os, sys, time
 from rkvjax import cli, jobs
 
 class Slow(jobs.Runner):
     def run(self, reqs):
-        for r in reqs:
-            time.sleep(0.1)
+        for i, r in enumerate(reqs):
+            time.sleep(600 if i == 2 and os.environ.get("HOLD") else 0.1)
             yield r, {"sample_index": 0, "text": r.prompt.upper(), "finish_reason": "length",
                       "prompt_tokens": 1, "completion_tokens": 1, "token_ids": [1]}
 
@@ -383,7 +384,9 @@ def test_stopped_job_reruns_to_every_id_exactly_once(tmp_path, sig):
     _write_jsonl(src, [{"prompt": f"q{i}"} for i in range(12)])
     cmd = [sys.executable, "-c", _SLOW_JOB, str(src), str(dst)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "RKVJAX_COMPILE_CACHE": "0"}
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        cmd, cwd=ROOT, env={**env, "HOLD": "1"}, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 60
     while _lines(dst) < 3 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # wait for the header and the first results
@@ -401,7 +404,7 @@ def test_stopped_job_reruns_to_every_id_exactly_once(tmp_path, sig):
             f"rkvjax: interrupted; finished results are in {dst}, rerun the same command to "
             "resume\n"
         )
-    assert len(_read_results(dst)) < 12
+    assert len(_read_results(dst)) == 2
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
     ids = [r["id"] for r in _read_results(dst)]
     assert sorted(ids) == sorted(r.id for r in jobs.read_requests(src))
@@ -506,6 +509,31 @@ def test_rerun_with_other_settings_is_refused(tmp_path):
     assert diff in str(e.value) and "pick another output path for a new job" in str(e.value)
     assert dst.read_bytes() == before
     summary = _run(_Echo(), src, dst, settings=dict(settings), defaults=dict(defaults))
+    assert (summary["samples_written"], summary["samples_already_done"]) == (1, 2)
+
+
+def test_rerun_with_an_edited_line_under_the_same_id_is_refused(tmp_path):
+    """A result line remembers the version of its request (prompt and sampling, all but n):
+    a rerun whose line for that id changed is refused, naming the line, before any work; a
+    larger n only adds samples, and an untouched file resumes as before."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "a", "prompt": "a"}, {"id": "b", "prompt": "b", "temperature": 0.5}]
+    _write_jsonl(src, rows)
+    _run(_Echo(), src, dst)
+    assert len({r["request_hash"] for r in _read_results(dst)}) == 2
+    before = dst.read_bytes()
+    for edit in ({"prompt": "B"}, {"temperature": 0.7}, {"seed": 3}, {"stop": ["x"]}):
+        _write_jsonl(src, [rows[0], {**rows[1], **edit}])
+        with pytest.raises(ValueError) as e:
+            _run(_Never(), src, dst)
+        assert str(e.value) == (
+            f"{src}:2 (id 'b'): {dst} holds samples of id 'b' made from another version of "
+            "this line (its prompt or sampling changed); restore the line, give it a new id, "
+            "or pick another output path for a new job"
+        ), edit
+        assert dst.read_bytes() == before
+    _write_jsonl(src, [rows[0], {**rows[1], "n": 2}])
+    summary = _run(_Echo(), src, dst)
     assert (summary["samples_written"], summary["samples_already_done"]) == (1, 2)
 
 

@@ -77,13 +77,13 @@ class GradingRunner(jobs.Runner):
         return self.inner.token_text(token)
 
 
-def _max_tokens(model, problems: list[Problem]) -> int:
+def default_max_tokens(model, problems: list[Problem], instruction: str = R1_INSTRUCTION) -> int:
     """The default generation length: the recipe's, less where the longest prompt would pass
     the model's context."""
     from rkvjax import requests
 
     longest = max(
-        len(requests.encode(model.tokenizer, prompt_of(p), None, f"problem {p.id!r}"))
+        len(requests.encode(model.tokenizer, prompt_of(p, instruction), None, f"problem {p.id!r}"))
         for p in problems
     )
     return max(1, min(MAX_TOKENS, model.config.max_positions - longest))
@@ -139,7 +139,10 @@ def run_eval(
     # id, so a resumed or re-sliced run draws the same samples.
     defaults = {**R1_SAMPLING, "seed": 0, **(sampling or {}), "n": samples}
     if defaults.get("max_tokens") is None:
-        defaults["max_tokens"] = _max_tokens(model, problems)
+        # Over the whole file, not the first `limit`: a rerun with a larger limit keeps the
+        # length (a setting of the header) and adds problems.
+        every = problems if limit is None else read_problems(data)
+        defaults["max_tokens"] = default_max_tokens(model, every, instruction)
     reqs = [
         jobs.Request(p.line, p.id, prompt_of(p, instruction), sampling=sp)
         for p in problems

@@ -74,6 +74,14 @@ def _digest(value: Any) -> int:
     return int(hashlib.sha256(canon.encode("utf-8")).hexdigest()[:16], 16)
 
 
+def request_hash(r: Request) -> str:
+    """A short hash of what shapes a request's samples: its prompt, chat choice and sampling
+    settings, all but `n` (raising n adds samples; the ones written stay valid). Result lines
+    carry it, so a rerun whose line for an id changed is refused instead of resumed."""
+    sampling = {k: v for k, v in dataclasses.asdict(r.sampling).items() if k != "n"}
+    return f"{_digest([r.prompt, r.chat, r.openai, sampling]):016x}"
+
+
 def request_seed(job_seed: int, request_id: str | int) -> int:
     """The seed of a request that gives none: a hash of the job's seed and the request's id,
     so its samples do not depend on its line, its neighbours or on resuming."""

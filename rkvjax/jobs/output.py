@@ -24,6 +24,7 @@ HEADER_KEY = "rkvjax_job"
 FORMAT_VERSION = 2
 SUMMARY_KEY = "rkvjax_job_summary"
 NEW_FILE = "pick another output path for a new job"
+HASH_FIELD = "request_hash"  # of result lines: `inputs.request_hash` of the line's request
 
 
 def header_line(settings: Mapping[str, Any]) -> bytes:
@@ -68,9 +69,10 @@ def line_keys(obj: Any) -> list[tuple[Any, int]] | None:
     return [(obj["id"], obj.get("sample_index", 0))]
 
 
-def _result_keys(lines: list[bytes], path: Path) -> set:
-    """Keys of the complete result lines (numbered from 2: line 1 is the header)."""
-    keys: set = set()
+def _result_keys(lines: list[bytes], path: Path) -> dict:
+    """{key: the line's request_hash (None if it has none)} of the complete result lines
+    (numbered from 2: line 1 is the header)."""
+    keys: dict = {}
     for n, line in enumerate(lines, 2):
         if not line.strip():
             continue
@@ -87,7 +89,7 @@ def _result_keys(lines: list[bytes], path: Path) -> set:
                 f"{path}:{n}: result line without an `id`; restore or delete that line, or "
                 f"{NEW_FILE}"
             )
-        keys.update(found)
+        keys.update(dict.fromkeys(found, obj.get(HASH_FIELD)))
     return keys
 
 
@@ -96,14 +98,14 @@ class Scan:
     """What an existing output holds: its settings, finished samples and the bytes to keep."""
 
     settings: dict[str, Any] | None  # None: empty, or a header cut short by a kill
-    done: set  # (request id, sample index)
+    done: dict  # (request id, sample index) -> the request_hash its line was written with
     keep: int  # bytes up to the last complete line; the rest is a torn write
 
 
 def scan_output(data: bytes, path: Path) -> Scan:
     """Reads an output's bytes without changing anything; refuses files rkvjax did not write."""
     if not data or _torn_header(data):
-        return Scan(None, set(), 0)
+        return Scan(None, {}, 0)
     first = data.find(b"\n")
     settings = _read_header(data if first < 0 else data[:first], path)
     if first < 0:
@@ -126,8 +128,10 @@ def settings_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
 class JobOutput:
     """A job's results file, locked while open: header, settings check, resume and appends."""
 
-    def __init__(self, path: Path, file, done: set):
-        self.path, self._file, self.done = path, file, done
+    def __init__(self, path: Path, file, done: dict):
+        self.path, self._file = path, file
+        self.done = set(done)  # (request id, sample index) of every sample written
+        self.hashes = done  # ... -> the request_hash its line carries (None: none)
 
     @classmethod
     def open(
@@ -163,7 +167,7 @@ class JobOutput:
         except BaseException:
             f.close()
             raise
-        return cls(path, f, set(scan.done))
+        return cls(path, f, dict(scan.done))
 
     def append(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Appends result lines with one write and an fsync, so a crash tears at most the last."""

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from rkvjax.jobs import openai_batch, output
-from rkvjax.jobs.inputs import Request, in_shard, read_requests
+from rkvjax.jobs.inputs import Request, in_shard, read_requests, request_hash
 
 DEFAULT_JOB_SLOTS = 256  # slots at most when a job does not say (vLLM's max_num_seqs)
 ORDERS = ("longest", "input")  # EngineRunner's admission orders
@@ -184,10 +184,28 @@ def _from_process_0(flags: np.ndarray) -> np.ndarray:
 
 
 def _line_of(request: Request, rec: Mapping[str, Any], token_ids: bool) -> dict[str, Any]:
-    line = {"id": request.id, **rec}
+    line = {"id": request.id, **rec, output.HASH_FIELD: request_hash(request)}
     if not token_ids:
         line.pop("token_ids")
     return line
+
+
+def _changed_requests(reqs: list[Request], out: output.JobOutput, where) -> list[str]:
+    """An error for every request whose written samples came from another version of its
+    line (prompt or sampling edited under the same id)."""
+    errors = []
+    for r in reqs:
+        if r.openai:  # OpenAI response lines keep OpenAI's shape: no hash to compare
+            continue
+        h = request_hash(r)
+        old = {out.hashes.get((r.id, j)) for j in range(r.n)} - {None}
+        if old - {h}:
+            errors.append(
+                f"{where(r)}: {out.path} holds samples of id {r.id!r} made from another "
+                f"version of this line (its prompt or sampling changed); restore the line, give "
+                f"it a new id, or {output.NEW_FILE}"
+            )
+    return errors
 
 
 def run_job(
@@ -277,8 +295,14 @@ def run_requests(
             if summary_file:
                 output.read_summary(output.summary_path(output_path))  # refuses a foreign file
             out = output.JobOutput.open(output_path, settings, input_path=input_path)
+            changed = _changed_requests(reqs, out, where)
+            if changed:
+                raise ValueError(_first_of(changed))
         except (ValueError, OSError) as e:
             error = e
+            if out is not None:
+                out.close()
+                out = None
     done = out.done if out is not None else set()
     already = sum((r.id, j) in done for r in reqs for j in range(r.n))
     left = [any((r.id, j) not in done for j in range(r.n)) for r in reqs]
