@@ -359,8 +359,12 @@ def test_rerun_writes_only_the_missing_samples_of_a_request(tmp_path):
 # A job whose runner takes 0.1 s per sample instead of a model; with HOLD set it stops after
 # two samples until a signal ends it (a loaded machine must not let it finish first).
 _SLOW_JOB = """
-import os, sys, time
+import os, signal, sys, time
 from rkvjax import cli, jobs
+
+# A shell starts background commands with SIGINT ignored, and a child inherits that: Ctrl-C
+# is what this job must see, whoever ran the tests.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class Slow(jobs.Runner):
     def run(self, reqs):
