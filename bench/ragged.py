@@ -21,7 +21,7 @@ from rkvjax.sampling import SamplingParams
 
 METHODS = ("rkv", "streaming")
 # Two rows: one equal-length prefill, and two ragged ones (16 and 121 tokens).
-TINY = dict(batches=[2], budget=32, buffer=16, new_tokens=48, repeats=2)
+TINY = dict(batches=[2], budget=32, buffer=16, new_tokens=48, repeats=1)
 PREFER_MEMORY = True
 
 
