@@ -128,10 +128,16 @@ def settings_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
 class JobOutput:
     """A job's results file, locked while open: header, settings check, resume and appends."""
 
-    def __init__(self, path: Path, file, done: dict):
+    def __init__(self, path: Path, file, hashes: dict):
         self.path, self._file = path, file
-        self.done = set(done)  # (request id, sample index) of every sample written
-        self.hashes = done  # ... -> the request_hash its line carries (None: none)
+        # (request id, sample index) of every sample written -> its line's request_hash
+        # (None: none)
+        self.hashes = hashes
+
+    @property
+    def done(self):
+        """(request id, sample index) of every sample written."""
+        return self.hashes.keys()
 
     @classmethod
     def open(
@@ -175,7 +181,7 @@ class JobOutput:
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         _write(self._file, text.encode("utf-8"), self.path)
         for r in records:
-            self.done.update(line_keys(r) or ())
+            self.hashes.update(dict.fromkeys(line_keys(r) or (), r.get(HASH_FIELD)))
 
     def close(self) -> None:
         """Releases the lock."""
