@@ -215,7 +215,10 @@ def _skippable(name: str, cfg: ModelConfig) -> bool:
 def _place(arr: np.ndarray, dtype, axes: tuple[str, ...], mesh, rules) -> jax.Array:
     """A host tensor -> a device array, split over `mesh` by its logical `axes` if given."""
     if mesh is None:
-        return jnp.asarray(arr, dtype=dtype)
+        # Committed to the device a converted folder restores onto (checkpoint.restore): jit
+        # caches its programs per committed-ness too, so the same weights read from either
+        # source would otherwise compile every program twice in one process.
+        return jax.device_put(jnp.asarray(arr, dtype=dtype), jax.local_devices()[0])
     # Each device receives its own index block, so no device holds the whole tensor.
     return sharding.host_array(np.asarray(arr, dtype=dtype), rules.named(mesh, *axes))
 

@@ -86,17 +86,9 @@ def smol(smol_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
+def tiny_checkpoint():
     """kind -> (folder, transformers model) for a tiny random checkpoint, built once per session."""
-    made = {}
-
-    def make(kind: str):
-        if kind not in made:
-            folder = tmp_path_factory.mktemp(kind)
-            made[kind] = (folder, hf_tiny.build(kind, folder))
-        return made[kind]
-
-    return make
+    return hf_tiny.cached
 
 
 SMOKE_TEST = "test_every_tiny_suite_writes_rows_table_and_plot"
@@ -105,12 +97,9 @@ SMOKE_TEST = "test_every_tiny_suite_writes_rows_table_and_plot"
 def pytest_collection_modifyitems(config, items):
     import jax
 
-    # The benchmark smoke run goes last and starts now, in its own process, so it runs beside
-    # the other tests (tests/test_bench.py: SmokeRun).
+    # The benchmark smoke run is checked last: it runs beside the other tests (below).
     smoke = [i for i in items if i.name == SMOKE_TEST]
-    if smoke and not config.option.collectonly:
-        items[:] = [i for i in items if i.name != SMOKE_TEST] + smoke
-        smoke[0].module.start_smoke_run()
+    items[:] = [i for i in items if i.name != SMOKE_TEST] + smoke
 
     if jax.default_backend() != "gpu":
         skip = pytest.mark.skip(reason="needs a GPU")
@@ -119,9 +108,31 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def _background_modules(session) -> dict:
+    """module -> its selected tests, for the modules that define `start_background`."""
+    found = {}
+    for item in session.items:
+        if hasattr(item.module, "start_background"):
+            found.setdefault(item.module, []).append(item)
+    return found
+
+
+def pytest_collection_finish(session):
+    """Starts each test module's background processes (`start_background(items)`, given the
+    module's selected tests) once the selection is final. Their minutes of single-threaded
+    XLA compilation (the benchmark smoke run, the two-process workers) then use the second
+    core while the other tests run, instead of adding their whole time to the session's."""
+    if session.config.option.collectonly:
+        return
+    for module, items in _background_modules(session).items():
+        module.start_background(items)
+
+
 def pytest_sessionfinish(session, exitstatus):
     import sys
 
-    bench = sys.modules.get("tests.test_bench")
-    if bench is not None:
-        bench.stop_smoke_run()  # a session stopped early leaves no run behind
+    # A session stopped early leaves no process or temporary folder behind.
+    for name, module in list(sys.modules.items()):
+        if name.startswith("tests.") and hasattr(module, "stop_background"):
+            module.stop_background()
+    hf_tiny.remove_cached()

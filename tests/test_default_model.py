@@ -49,9 +49,12 @@ def test_cli_prints_completion_and_stats(smol_dir, capsys):
     out, err = capsys.readouterr()
     assert "Paris" in out
     assert "tok/s" in err and "time to first token" in err
-    assert cli.main([*argv, "--max-new-tokens", "4", "--json"]) == 0
+    # The same length again (its programs are compiled): --json, and a stop string
+    # that ends the answer at "Paris" (the row's finish reason and counts follow).
+    assert cli.main([*argv, "--max-new-tokens", "24", "--json", "--stop", "Paris"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert row["stats"]["generated_tokens"] == 4 and row["finish_reason"] == "length"
+    assert row["finish_reason"] == "stop" and "Paris" not in row["text"]
+    assert row["stats"]["generated_tokens"] == len(row["token_ids"]) < 24
 
 
 def test_cli_reports_bad_arguments(smol_dir, capsys):

@@ -84,8 +84,9 @@ def test_continuous_batching_equals_each_request_alone(llama, method):
 
 @pytest.mark.slow
 def test_continuous_batching_equals_alone_on_the_default_model(smol):
-    """The same on the real default model: 12 chat prompts of mixed lengths and max_tokens
-    through 3 slots, R-KV with a small budget so rows compress, equal to each alone."""
+    """The same on the real default model: 8 chat prompts of mixed lengths and max_tokens
+    through 3 slots, R-KV with a small budget so rows compress, equal to each request run
+    alone afterwards through the same engine (its other rows empty)."""
     questions = [
         "What is 12 + 7?",
         "Name three colors.",
@@ -94,25 +95,22 @@ def test_continuous_batching_equals_alone_on_the_default_model(smol):
         "Hi",
         "What is the capital of Italy?",
         "Write a haiku about rain.",
-        "2 * 21 = ?",
-        "Spell 'cat' backwards.",
-        "Is water wet? Answer in one sentence.",
-        "Say hello.",
         "List two prime numbers.",
     ]
-    params = [_greedy(m) for m in (40, 12, 33, 20, 26, 9, 37, 15, 30, 22, 18, 28)]
+    params = [_greedy(m) for m in (40, 12, 33, 20, 26, 9, 37, 28)]
+    # One engine, one prompt per prefill: both runs share every program (the compiles of a
+    # 30-layer model are most of this test; other batch shapes are compared on tiny models).
     cc = compression_config("rkv", 24, buffer=8)
-    runs = []
-    for slots in (3, 1):
-        # One prompt per prefill: both engines share the prefill programs (per length bucket),
-        # the costly compiles of a 30-layer model; grouped prefills are tested on tiny ones.
-        eng = rkvjax.Engine(smol, slots=slots, cache=cc, max_prefill_rows=1)
-        eng.submit_many(questions, params)
-        runs.append(sorted(eng.run(), key=lambda r: r.request_id))
-    for a, b in zip(*runs, strict=True):
-        assert a.token_ids == b.token_ids
-        assert a.stats.compressions == b.stats.compressions
-    assert sum(r.stats.compressions for r in runs[0]) >= 12
+    eng = rkvjax.Engine(smol, slots=3, cache=cc, max_prefill_rows=1)
+    eng.submit_many(questions, params)
+    together = sorted(eng.run(), key=lambda r: r.request_id)
+    for question, sp, got in zip(questions, params, together, strict=True):
+        eng.submit(question, sp)
+        (alone,) = eng.run()
+        assert alone.token_ids == got.token_ids
+        assert alone.stats.compressions == got.stats.compressions
+    assert sum(r.stats.compressions for r in together) >= 8
+    assert eng.stats.prefills == 2 * len(questions)
 
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234, max_tokens=30)
