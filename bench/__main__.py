@@ -32,6 +32,7 @@ SUITES = (
     "memory",
     "capacity",
     "throughput",
+    "scale",
     "fidelity",
     "kept",
     "accuracy",

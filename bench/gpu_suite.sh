@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one pass of about ten minutes on one H200:
+# Everything that needs a GPU, in one pass of about eight minutes on one H200, most important
+# first (../shared/GPU_PLAN.md):
 #   1. the compiled Pallas kernels, the compression and the engine against their references
 #      (the `gpu`-marked tests, skipped on CPU, and the engine and policy suites on the GPU);
-#   2. the redundancy kernel against the jnp path (time and compiled memory vs n);
-#   3. decode speed of a random-init DeepSeek-R1-Distill-Qwen-1.5B-shaped model in bfloat16,
-#      rkvjax against transformers on the same GPU, and R-KV against FullKV as the context grows;
-#   4. loading that model onto the GPU from safetensors and from an `rkvjax convert` folder.
+#   2. the paper's throughput table at full shape: an R1-Llama-8B-shaped random-weight model in
+#      bfloat16, FullKV at its largest batch against R-KV (budget 1024, and 10%) at theirs, and
+#      R-KV at FullKV's batch, 16K then 8K generated tokens (bench/scale.py);
+#   3. the redundancy kernel against the jnp path at decode-time sizes (n = budget + buffer),
+#      over a sweep of tiles, time and compiled memory;
+#   4. decode speed of a random-init DeepSeek-R1-Distill-Qwen-1.5B-shaped model in bfloat16,
+#      rkvjax against transformers on the same GPU, at batch 1 and 32.
+# Not in the default pass (name them): memory_speed (R-KV against FullKV as one row's context
+# grows) and load_time (loading from safetensors and from an `rkvjax convert` folder).
 #
 #   bash bench/gpu_suite.sh [OUT_DIR [STEP...]]   # default bench/results/gpu, every step
 #
-# STEP is one of tests, kernel, checkpoint, decode, memory_speed, load_time; named steps run in
-# the order given (decode, memory_speed and load_time need checkpoint, in this run or an earlier
-# one). Each step has its own time limit and log, and a failing step does not stop the next one.
-# Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs rkvjax
-# itself (editable, without dependencies) when it is not importable. Run from the repository
-# root (`python -m bench`). Results: OUT_DIR/<suite>/ (results.jsonl, table.md, plot.png) and a
-# log per step in OUT_DIR, summarised in bench/README.md.
+# STEP is one of tests, scale, kernel, checkpoint, decode, memory_speed, load_time; named steps
+# run in the order given (decode, memory_speed and load_time need checkpoint, in this run or an
+# earlier one). Each step has its own time limit and log, and a failing step does not stop the
+# next one. Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs
+# rkvjax itself (editable, without dependencies) when it is not importable. Run from the
+# repository root (`python -m bench`). Results: OUT_DIR/<suite>/ (results.jsonl, table.md,
+# plot.png) and a log per step in OUT_DIR, summarised in bench/README.md.
 set -u
 out=${1:-${OUT:-bench/results/gpu}}
 mkdir -p "$out"
@@ -46,13 +52,19 @@ EOF
 
 run_step() {
 	case $1 in
-	tests) step tests 200 $py -m pytest -q -p no:cacheprovider -m "not slow" -o "addopts=" -rs \
+	tests) step tests 150 $py -m pytest -q -p no:cacheprovider -m "not slow" -o "addopts=" -rs \
 		tests/test_kernels.py tests/test_compression.py tests/test_policy.py tests/test_engine.py ;;
-	kernel) step kernel 60 $py -m bench kernels --out "$out" --sizes 1024 4096 8192 --batch 4 \
-		--kv-heads 8 ;;
+	# One process owns the GPU here: let it have 95% (JAX takes 75% by default), of which the
+	# suite sizes its batches to 90%. It starts no setting after 110 s; each takes ~1 min.
+	scale) step scale 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 $py -m bench scale \
+		--out "$out" --time-limit-s 110 ;;
+	# Sizes ascending, rows written as they finish: a slow tile at 8320 cannot hide the rest.
+	kernel) step kernel 75 $py -m bench kernels --out "$out" --sizes 1152 2176 4224 8320 \
+		--batch 8 --kv-heads 8 --repeats 3 --tiles 16x64 32x32 32x64 64x32 64x64 32x128 \
+		128x32 64x128 128x64 ;;
 	checkpoint) step checkpoint 45 $py -m bench.checkpoints r1-distill-qwen-1.5b "$ckpt" \
 		--dtype bfloat16 --std 0.02 ;;
-	decode) step decode 180 $py -m bench decode --out "$out" --model "$ckpt" --dtype bfloat16 \
+	decode) step decode 120 $py -m bench decode --out "$out" --model "$ckpt" --dtype bfloat16 \
 		--batch 1 32 --new-tokens 256 --repeats 3 --hf-threads 16 --hf-bf16-repeats 3 \
 		--bandwidth-mib 4096 ;;
 	memory_speed) step memory_speed 120 $py -m bench memory --out "$out" --model "$ckpt" \
@@ -67,5 +79,5 @@ run_step() {
 
 shift $(($# > 0 ? 1 : 0))
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests kernel checkpoint decode memory_speed load_time)
+[ ${#steps[@]} -gt 0 ] || steps=(tests scale kernel checkpoint decode)
 for name in "${steps[@]}"; do run_step "$name"; done

@@ -20,7 +20,15 @@ from bench import common
 from rkvjax import compression
 from rkvjax.kernels import redundancy_pallas, tuning
 
-TINY = dict(sizes=[64, 128], batch=1, kv_heads=2, head_dim=64, repeats=1, time_kernel=True)
+TINY = dict(
+    sizes=[64, 128],
+    batch=1,
+    kv_heads=2,
+    head_dim=64,
+    repeats=1,
+    time_kernel=True,
+    tiles=["16x32", "32x16"],
+)
 PREFER_MEMORY = False
 
 
@@ -34,6 +42,13 @@ def add_arguments(p) -> None:
     p.add_argument("--retain", type=int, default=1)
     p.add_argument("--block-r", type=int, default=None, help="kernel row tile (default: table)")
     p.add_argument("--block-c", type=int, default=None, help="kernel column tile")
+    p.add_argument(
+        "--tiles",
+        nargs="+",
+        default=None,
+        metavar="RxC",
+        help="a sweep of kernel tiles (block_r x block_c), one kernel row each, e.g. 32x64",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed calls after one warm-up")
     p.add_argument("--time-kernel", action="store_true", help="time the kernel on CPU too")
     p.add_argument("--max-time-n", type=int, default=2048, help="largest n timed on CPU")
@@ -57,6 +72,20 @@ def memory(fn, *xs) -> dict:
     return {"temp_bytes": ma.temp_size_in_bytes, "peak_bytes": sum(getattr(ma, a) for a in parts)}
 
 
+def kernel_tiles(args) -> dict[str, tuple[int | None, int | None]]:
+    """label -> (block_r, block_c) of each kernel variant: the --tiles sweep ("pallas-RxC"),
+    or one "pallas" at --block-r / --block-c (None: the backend's default tiles)."""
+    if not args.tiles:
+        return {"pallas": (args.block_r, args.block_c)}
+    out = {}
+    for t in args.tiles:
+        r, sep, c = t.partition("x")
+        if not (sep and r.isdigit() and c.isdigit()):
+            raise ValueError(f"--tiles: {t!r} is not RxC (e.g. 64x32)")
+        out[f"pallas-{t}"] = (int(r), int(c))
+    return out
+
+
 def seconds(fn, *xs, repeats: int) -> float:
     """Median wall time of one call after a warm-up (compile) call."""
     fn = jax.jit(fn)
@@ -67,34 +96,32 @@ def run(args, folder) -> list[dict]:
     backend = tuning.backend()
     interpret = backend == "cpu"
     kw = dict(window=args.window, threshold=0.5, retain=args.retain)
-    paths = {
-        "jnp": functools.partial(compression.redundancy, **kw),
-        "pallas": functools.partial(
-            redundancy_pallas,
-            **kw,
-            block_r=args.block_r,
-            block_c=args.block_c,
-            interpret=interpret,
-        ),
-    }
+    paths = {"jnp": functools.partial(compression.redundancy, **kw)}
+    for name, (block_r, block_c) in kernel_tiles(args).items():
+        paths[name] = functools.partial(
+            redundancy_pallas, **kw, block_r=block_r, block_c=block_c, interpret=interpret
+        )
     meta = common.run_meta(backend=backend)
     rows = []
     for n in args.sizes:
         keys, valid = inputs(n, args)
         results = {}
         for name, fn in paths.items():
-            is_timed = (name == "jnp" and (not interpret or n <= args.max_time_n)) or (
-                name == "pallas" and (not interpret or args.time_kernel)
+            kernel = name != "jnp"
+            is_timed = (not kernel and (not interpret or n <= args.max_time_n)) or (
+                kernel and (not interpret or args.time_kernel)
             )
             row = {
                 "bench": "kernel_redundancy",
-                "impl": name,
+                "impl": "pallas" if kernel else "jnp",
+                "label": name,
+                "tiles": kernel_tiles(args).get(name),
                 "n": n,
                 "batch": args.batch,
                 "kv_heads": args.kv_heads,
                 "head_dim": args.head_dim,
                 "dtype": args.dtype,
-                "interpret": interpret and name == "pallas",
+                "interpret": interpret and kernel,
                 # An n x n float32 matrix per (row, KV head): what the kernel never writes.
                 "dense_matrix_bytes": 4 * n * n * args.batch * args.kv_heads,
                 **memory(fn, keys, valid),
@@ -103,8 +130,8 @@ def run(args, folder) -> list[dict]:
             }
             if is_timed:
                 results[name] = jax.jit(fn)(keys, valid)
-            if len(results) == 2:
-                diff = jnp.max(jnp.abs(results["jnp"] - results["pallas"]))
+            if kernel and name in results and "jnp" in results:
+                diff = jnp.max(jnp.abs(results["jnp"] - results[name]))
                 row["max_abs_diff_vs_jnp"] = float(diff)
             common.emit(row, folder)
             rows.append(row)
@@ -121,7 +148,7 @@ def table(rows: list[dict]) -> str:
     mib = 2**-20
     columns = [
         ("n", "n", "d"),
-        ("impl", "impl", "s"),
+        ("impl", lambda r: r.get("label", r["impl"]), "s"),
         ("ms", lambda r: r["seconds"] and r["seconds"] * 1e3, ".2f"),
         ("temp MiB", lambda r: r["temp_bytes"] and r["temp_bytes"] * mib, ".1f"),
         ("peak MiB", lambda r: r["peak_bytes"] and r["peak_bytes"] * mib, ".1f"),
@@ -131,20 +158,25 @@ def table(rows: list[dict]) -> str:
     return f"{head}\n\n{common.markdown_table(rows, columns)}"
 
 
+def _labelled(rows: list[dict]) -> list[dict]:
+    """Rows with a "label" (rows written before the tile sweep have only "impl")."""
+    return [{"label": r["impl"], **r} for r in rows]
+
+
 def plot(plt, rows: list[dict]):
     """Time and compiled temporaries against n, per implementation."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     title = f"redundancy, {rows[0]['backend']}"
     common.lines(
         ax1,
-        common.series(rows, "impl", "n", "seconds", 1e3),
+        common.series(_labelled(rows), "label", "n", "seconds", 1e3),
         xlabel="n (keys)",
         ylabel="ms",
         title=title,
     )
     common.lines(
         ax2,
-        common.series(rows, "impl", "n", "temp_bytes", 2**-20),
+        common.series(_labelled(rows), "label", "n", "temp_bytes", 2**-20),
         xlabel="n (keys)",
         ylabel="temporaries MiB",
         title=title,

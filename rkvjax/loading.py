@@ -171,3 +171,22 @@ def abstract(config: str | Path | dict, *, dtype="bfloat16") -> Model:
         path=Path(where),
         dtype=dtype,
     )
+
+
+def random_init(config: str | Path | dict, *, dtype="bfloat16", seed: int = 0) -> Model:
+    """A model of a checkpoint's shape with random weights (normal, std 0.02; norms at one),
+    made on the default device in one compiled call: benchmarks at a real model's shape and
+    dtype with nothing to download or read. Its outputs mean nothing and it has no tokenizer,
+    so prompts are token ids."""
+    from flax import nnx
+
+    from rkvjax.models.decoder import Decoder
+
+    shape = abstract(config, dtype=dtype)
+    graphdef, _ = nnx.split(shape.decoder)
+
+    @jax.jit
+    def init():
+        return nnx.split(Decoder(shape.config, dtype=shape.dtype, rngs=nnx.Rngs(seed)))[1]
+
+    return dataclasses.replace(shape, decoder=nnx.merge(graphdef, init()))
