@@ -51,7 +51,7 @@ TINY = {
     "prompt": 16,
     "budget": 24,
     "buffer": 8,
-    "ratio": 0.25,
+    "ratio": 0.0,  # the share path is the budget path with a float budget
     "mem_gib": 0.004,
     "max_batch": 6,
     "warmup_steps": 8,
