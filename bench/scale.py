@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rkvjax
-from bench import common
+from bench import common, throughput
 from rkvjax import engine, loading
 
 PREFER_MEMORY = True
@@ -57,10 +57,6 @@ TINY = {
     "warmup_steps": 8,
     "timed_steps": 16,
 }
-PAPER = {"full": (30, 347.0), "rkv": (402, 3189.0)}  # Table 3, 16K: batch, tok/s
-# The authors' ports (the project's README): vLLM on an H100 is slower than FullKV when memory
-# is ample (3,747 vs 8,054 tok/s) and +32% when it is tight; FlashInfer within 2.6% at equal
-# batch.
 OOM_RETRIES = 2
 
 
@@ -298,22 +294,12 @@ def table(rows: list[dict]) -> str:
         f"{r0['memory_cap_bytes'] / 2**30:.1f} GiB; steps timed at the filled cache, totals "
         "derived (bench/scale.py)\n\n"
     )
-    (fb, ft), (rb, rt) = PAPER["full"], PAPER["rkv"]
-    paper = (
-        f"\n\nPaper (A100 80 GB, R1-Llama-8B, 16K tokens): FullKV batch {fb} at {ft:g} tok/s; "
-        f"R-KV budget 1024 batch {rb} at {rt:g} tok/s ({rt / ft:.1f}x). The authors' vLLM port "
-        "on an H100: 3,747 vs FullKV's 8,054 tok/s with ample memory, +32% when tight; their "
-        "FlashInfer engine within 2.6% of FullKV at equal batch."
+    ports = (
+        " The authors' vLLM port on an H100: 3,747 vs FullKV's 8,054 tok/s with ample memory, "
+        "+32% when tight; their FlashInfer engine within 2.6% of FullKV at equal batch."
     )
-    return head + common.markdown_table(rows, cols) + paper
+    return head + common.markdown_table(rows, cols) + "\n\n" + throughput.paper_line() + ports
 
 
 def plot(plt, rows: list[dict]):
-    done = [r for r in rows if r.get("tokens_per_s")]
-    if not done:
-        return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{r['setting']}\n{r['gen_tokens']}" for r in done]
-    common.bars(a, labels, [r["batch"] for r in done], ylabel="rows", title="batch")
-    common.bars(b, labels, [r["tokens_per_s"] for r in done], ylabel="tok/s", title="throughput")
-    return fig
+    return throughput.batch_figure(plt, rows, lambda r: f"{r['setting']}\n{r['gen_tokens']}")

@@ -130,21 +130,30 @@ def table(rows: list[dict]) -> str:
         f"{r0['model']}, {r0['gen_tokens']} generated tokens after a {r0['prompt_tokens']}-token "
         f"prompt, KV cap {r0['kv_cap_bytes'] / 2**20:g} MiB\n\n"
     )
+    return head + common.markdown_table(rows, cols) + "\n\n" + paper_line()
+
+
+def paper_line() -> str:
+    """The paper's Table 3, as the last line of this suite's and the scale suite's tables."""
     full, rkv = PAPER
-    paper = (
-        f"\n\nPaper (A100 80 GB, R1-Llama-8B, 16K tokens): FullKV batch {full['batch']} at "
+    return (
+        f"Paper (A100 80 GB, R1-Llama-8B, 16K tokens): FullKV batch {full['batch']} at "
         f"{full['tokens_per_s']:g} tok/s; R-KV budget {rkv['budget']} batch {rkv['batch']} at "
         f"{rkv['tokens_per_s']:g} tok/s ({rkv['tokens_per_s'] / full['tokens_per_s']:.1f}x)."
     )
-    return head + common.markdown_table(rows, cols) + paper
 
 
-def plot(plt, rows: list[dict]):
+def batch_figure(plt, rows: list[dict], label=lambda r: r["setting"]):
+    """Batch and tokens/s per setting, side by side (None when nothing ran)."""
     done = [r for r in rows if r.get("tokens_per_s")]
     if not done:
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    labels = [r["setting"] for r in done]
-    common.bars(a, labels, [r["batch"] for r in done], ylabel="rows", title="batch under the cap")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [label(r) for r in done]
+    common.bars(a, labels, [r["batch"] for r in done], ylabel="rows", title="batch")
     common.bars(b, labels, [r["tokens_per_s"] for r in done], ylabel="tok/s", title="throughput")
     return fig
+
+
+def plot(plt, rows: list[dict]):
+    return batch_figure(plt, rows)
