@@ -34,8 +34,13 @@ lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two workers, one test file at a time each, in tests/conftest.py's order (slowest first):
+# single-threaded XLA compilation is most of the suite's time, and one process left the second
+# core about half idle.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Every benchmark suite's tiny variant (about two minutes on two cores).
 bench-smoke: install-test

@@ -243,7 +243,8 @@ def run(args, folder) -> list[dict]:
             per_row = row_bytes(model, cc, args.prompt + gen - 1)
             batch = min(args.max_batch, max(0, (cap - weights) // per_row))
             if batch_of == "full":
-                if not full_batch:
+                if not full_batch:  # FullKV's row says why
+                    emit({**base, "skipped": "no FullKV batch to match"})
                     continue
                 batch = full_batch
             base["row_bytes"] = per_row
@@ -273,6 +274,17 @@ def _ratios(rows: list[dict]) -> None:
         r["vs_full"] = t / f if f and t else None
 
 
+def _note(row: dict) -> str | None:
+    """Why a row has no measurement."""
+    if row.get("skipped"):
+        return f"skipped: {row['skipped']}"
+    if row.get("error"):
+        return row["error"].split("(", 1)[0]  # the exception's type; the row keeps the text
+    if row.get("batch") == 0:
+        return "one row does not fit"
+    return None
+
+
 def table(rows: list[dict]) -> str:
     _ratios(rows)
     r0 = rows[0]
@@ -287,6 +299,7 @@ def table(rows: list[dict]) -> str:
         ("derived total s", "derived_total_s", ".0f"),
         ("tok/s", "tokens_per_s", ".0f"),
         ("x FullKV", "vs_full", ".2f"),
+        ("note", _note, "s"),
     ]
     head = (
         f"{r0['config']} (random weights, {r0['weight_bytes'] / 2**30:.1f} GiB), prompt "

@@ -1,7 +1,5 @@
 """Tiny random-init Hugging Face checkpoints (transformers is a test-only dependency)."""
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -58,28 +56,3 @@ def build(kind: str, folder: Path, seed: int = 0):
             p.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     return model
-
-
-_built: dict[str, tuple[Path, object]] = {}
-_root: Path | None = None
-
-
-def cached(kind: str) -> tuple[Path, object]:
-    """(folder, torch model) of `kind`, built once per process in a temporary folder: the
-    session's `tiny_checkpoint` fixture, and what the background runs started at collection
-    read before any fixture exists."""
-    global _root
-    if kind not in _built:
-        if _root is None:
-            _root = Path(tempfile.mkdtemp(prefix="rkvjax-tiny-checkpoints-"))
-        folder = _root / kind
-        _built[kind] = (folder, build(kind, folder))
-    return _built[kind]
-
-
-def remove_cached() -> None:
-    global _root
-    if _root is not None:
-        shutil.rmtree(_root, ignore_errors=True)
-    _built.clear()
-    _root = None

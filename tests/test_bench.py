@@ -3,10 +3,8 @@
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -23,73 +21,24 @@ def _files(folder: Path) -> dict[str, int]:
     return {str(f.relative_to(folder)): f.stat().st_size for f in folder.rglob("*") if f.is_file()}
 
 
-class SmokeRun:
-    """`python -m bench all --tiny` in its own process, started when the session's tests are
-    collected (tests/conftest.py) and checked by the session's last test. The suite is a
-    couple of minutes of single-threaded XLA compilation; beside the other tests' it uses the
-    second core instead of adding its whole time to the session's."""
-
-    def __init__(self):
-        self.history = _files(common.RESULTS)
-        self.out = Path(tempfile.mkdtemp(prefix="rkvjax-bench-smoke-"))
-        self.log = (self.out / "log.txt").open("w")
-        # Not this process's XLA_FLAGS (8 host devices for the sharding tests): the suite sets
-        # its own, as it would from a shell.
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.update(JAX_PLATFORMS="cpu", RKVJAX_COMPILE_CACHE="0")
-        # A file, not a pipe: nothing reads a pipe while the other tests run, and a full one
-        # would stall the suite.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench", "all", "--tiny", "--out", str(self.out / "results")],
-            cwd=ROOT,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    def wait(self, timeout: float) -> tuple[int, str]:
-        """-> (return code, the run's output)."""
-        try:
-            code = self.proc.wait(timeout=timeout)
-        finally:
-            self.stop()
-        return code, (self.out / "log.txt").read_text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-_smoke: SmokeRun | None = None
-
-
-def _smoke_run() -> SmokeRun:
-    global _smoke
-    if _smoke is None:
-        _smoke = SmokeRun()
-    return _smoke
-
-
-def start_background(items) -> None:
-    """Called by tests/conftest.py once the session's tests are collected."""
-    if any(i.name == test_every_tiny_suite_writes_rows_table_and_plot.__name__ for i in items):
-        _smoke_run()
-
-
-def stop_background() -> None:
-    if _smoke is not None:
-        _smoke.stop()
-        shutil.rmtree(_smoke.out, ignore_errors=True)
-
-
-def test_every_tiny_suite_writes_rows_table_and_plot():
-    smoke = _smoke_run()  # started at collection, unless run from another conftest
-    code, log = smoke.wait(timeout=900)
-    assert code == 0, log[-5000:]
-    out = smoke.out / "results"
+def test_every_tiny_suite_writes_rows_table_and_plot(tmp_path):
+    """`python -m bench all --tiny` from a shell: every suite writes its rows, table and plot
+    into --out and leaves the recorded results alone."""
+    history = _files(common.RESULTS)
+    out = tmp_path / "results"
+    # Not this process's XLA_FLAGS (8 host devices for the sharding tests): the suite sets its
+    # own, as it would from a shell.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", RKVJAX_COMPILE_CACHE="0")
+    run = subprocess.run(
+        [sys.executable, "-m", "bench", "all", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
     plots = importlib.util.find_spec("matplotlib") is not None
     for suite in SUITES:
         folder = out / suite
@@ -98,7 +47,7 @@ def test_every_tiny_suite_writes_rows_table_and_plot():
         assert all(r["bench"] and r["argv"][0] == "all" for r in rows), suite
         assert "|---" in (folder / "table.md").read_text(), suite
         assert (folder / "plot.png").is_file() == plots, suite
-    assert _files(common.RESULTS) == smoke.history  # smoke runs leave the recorded results alone
+    assert _files(common.RESULTS) == history  # smoke runs leave the recorded results alone
 
 
 def test_parse_args_suite_options_and_tiny_defaults():
@@ -191,3 +140,27 @@ def test_random_init_and_a_filled_cache():
     state, _ = engine.decode(model.decoder, state, steps=eng.chunk, plan=eng.plan)
     assert (np.asarray(state.compressions) > before).all()
     assert (np.asarray(state.cache.length) < eng.capacity).all()
+
+
+def test_scale_rows_say_why_a_setting_has_no_number(tmp_path, monkeypatch):
+    """A setting that fails is a row with its error, and the R-KV row at FullKV's batch, with
+    no FullKV batch to match, is a row that says so: the table has a line per setting."""
+    from bench import scale
+
+    def measured(model, cc, batch, gen, args):
+        if not cc.compressing:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return {"batch": batch, "step_ms": 1.0, "tokens_per_s": 100.0 * batch}
+
+    monkeypatch.setattr(scale, "_measured", measured)
+    _, suites = parse_args(["scale", "--tiny", "--gen-tokens", "96"])
+    args = suites["scale"]
+    args.tiny = False  # a tiny run raises on the first failure instead
+    rows = scale.run(args, tmp_path)
+    by = {r["setting"]: r for r in rows}
+    assert list(by) == ["full", "rkv-24", "rkv-24@full-batch"]
+    assert "RESOURCE_EXHAUSTED" in by["full"]["error"] and "tokens_per_s" not in by["full"]
+    assert by["rkv-24@full-batch"]["skipped"] == "no FullKV batch to match"
+    assert by["rkv-24"]["tokens_per_s"] > 0 and by["rkv-24"]["vs_full"] is None
+    text = scale.table(rows)
+    assert "RuntimeError" in text and "skipped: no FullKV batch to match" in text

@@ -3,11 +3,9 @@ same tokens, scores and logits as one process, and save and restore an Orbax che
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -16,7 +14,6 @@ import pytest
 
 import rkvjax
 from rkvjax import sharding
-from tests import hf_tiny
 from tests.test_sharding import GEN, PROMPTS
 from tests.tolerances import SELF_ATOL
 
@@ -30,80 +27,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Workers:
-    """The two processes of `tests.multihost_worker`, joined over localhost, each with two CPU
-    devices (a data=2 x model=2 mesh spans both). Started when the session's tests are
-    collected (tests/conftest.py): their minute of compilation then overlaps other tests
-    instead of holding the session while it waits."""
-
-    def __init__(self):
-        folder = hf_tiny.cached("llama")[0]  # the `tiny_checkpoint` fixture's, same process
-        self.dir = Path(tempfile.mkdtemp(prefix="rkvjax-multihost-"))
-        self.out = self.dir / "result.json"
-        coordinator = f"localhost:{_free_port()}"
-        # Not this process's 8 host devices; its faster-compiling optimisation level, though.
-        flags = "--xla_backend_optimization_level=0"
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "JAX_NUM_CPU_DEVICES": "2"}
-        self.logs = [(self.dir / f"process{i}.log").open("w") for i in range(2)]
-        # Files, not pipes: nothing reads a pipe until the tests ask, and a full one stalls.
-        worker = [sys.executable, "-m", "tests.multihost_worker", coordinator, "2"]
-        self.procs = [
-            subprocess.Popen(
-                [*worker, str(i), str(folder), str(self.out)],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i, log in enumerate(self.logs)
-        ]
-
-    def result(self, timeout: float) -> dict:
-        try:
-            for p in self.procs:
-                p.wait(timeout=timeout)
-        finally:
-            self.stop()
-        for i, p in enumerate(self.procs):
-            log = (self.dir / f"process{i}.log").read_text()
-            assert p.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
-        return json.loads(self.out.read_text())
-
-    def stop(self) -> None:
-        for p in self.procs:
+@pytest.fixture(scope="module")
+def two_processes(tiny_checkpoint, tmp_path_factory) -> dict:
+    """What the two processes of `tests.multihost_worker` computed, joined over localhost,
+    each with two CPU devices (a data=2 x model=2 mesh spans both)."""
+    folder = tiny_checkpoint("llama")[0]
+    out = tmp_path_factory.mktemp("multihost")
+    coordinator = f"localhost:{_free_port()}"
+    # Not this process's 8 host devices; its faster-compiling optimisation level, though.
+    flags = "--xla_backend_optimization_level=0"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "JAX_NUM_CPU_DEVICES": "2"}
+    worker = [sys.executable, "-m", "tests.multihost_worker", coordinator, "2"]
+    logs = [out / f"process{i}.log" for i in range(2)]
+    procs = []
+    try:
+        for i, log in enumerate(logs):
+            # A file, not a pipe: nothing reads a pipe while the other process runs.
+            with log.open("w") as f:
+                procs.append(
+                    subprocess.Popen(
+                        [*worker, str(i), str(folder), str(out / "result.json")],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for log in self.logs:
-            log.close()
-
-
-_workers: Workers | None = None
-
-
-def _started() -> Workers:
-    global _workers
-    if _workers is None:
-        _workers = Workers()
-    return _workers
-
-
-def start_background(items) -> None:
-    """Called by tests/conftest.py once the session's tests are collected."""
-    if any("two_processes" in i.fixturenames for i in items):
-        _started()
-
-
-def stop_background() -> None:
-    if _workers is not None:
-        _workers.stop()
-        shutil.rmtree(_workers.dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def two_processes():
-    return _started().result(timeout=300)
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{logs[i].read_text()[-4000:]}"
+    return json.loads((out / "result.json").read_text())
 
 
 @pytest.fixture(scope="module")
