@@ -37,6 +37,7 @@ SUITES = (
     "kept",
     "accuracy",
     "ragged",
+    "tail",
     "sampling",
     "jobs",
     "kernels",

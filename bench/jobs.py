@@ -79,6 +79,7 @@ class BatchByBatch(jobs.Runner):
                 params,
                 slots=self.size,
                 prefill_by_length=not self.padded_prefill,
+                narrow_tail=False,  # a static batch decodes at its width to its end
                 **self.cache,
             )
             eng.submit_many(ids, params, ids=[r.id for r in batch])

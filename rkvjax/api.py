@@ -155,6 +155,7 @@ def engine_for(
     lanes: int | None = None,
     record_kept: bool = False,
     prefill_by_length: bool = True,
+    narrow_tail: bool = True,
     chat: bool | None = None,
     progress: bool = False,
     total: int | None = None,
@@ -165,7 +166,7 @@ def engine_for(
     threshold, retain, think_only, think_end_token, answer_slots, pallas). A fractional budget
     and the FullKV length follow the longest prompt and max_tokens, and the engine's logprobs,
     penalties and stop-id width cover every request; `slot_cap` caps the default slot count;
-    `prefill_by_length` as in `Engine`.
+    `prefill_by_length` and `narrow_tail` as in `Engine`.
     Offline jobs build theirs here from the whole input, so a resumed job runs the same
     program."""
     ids = [list(row) for row in prompt_ids]
@@ -198,6 +199,7 @@ def engine_for(
         stop_width=_stop_width(model, params),
         record_kept=record_kept,
         prefill_by_length=prefill_by_length,
+        narrow_tail=narrow_tail,
         chat=chat,
         progress=progress,
         total=total,

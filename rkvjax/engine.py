@@ -149,6 +149,11 @@ class Tokens:
     stalled: jax.Array  # [] int32 row-steps that waited for a lane
 
 
+def _per_row(s: SlotState) -> SlotState:
+    """The leaves with a leading row axis: all but the cache (rows of its own) and the step."""
+    return dataclasses.replace(s, cache=None, step=None)
+
+
 def _rows(x, rules):
     return sharding.constrain(x, rules, "batch", *[None] * (x.ndim - 1))
 
@@ -161,7 +166,7 @@ def _constrain_state(s: SlotState, rules: sharding.ShardingRules | None) -> Slot
         return s
     rows = functools.partial(_rows, rules=rules)
     return dataclasses.replace(
-        jax.tree.map(rows, dataclasses.replace(s, cache=None, step=None)),
+        jax.tree.map(rows, _per_row(s)),
         cache=kv.constrain(s.cache, rules),
         step=sharding.constrain(s.step, rules),
     )
@@ -480,6 +485,26 @@ def release(state: SlotState, rows: jax.Array, *, plan) -> SlotState:
     and compressing, and their slots are free."""
     TRACES["release"] += 1
     return _constrain_state(dataclasses.replace(state, active=state.active & ~rows), plan.rules)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def take_rows(state: SlotState, rows: jax.Array, *, plan) -> SlotState:
+    """The state of rows [W] int32 of `state`, in that order: a narrower batch, so that the
+    tail of a run decodes only the rows it still has (`plan` is the narrow width's)."""
+    TRACES["take_rows"] += 1
+    rest = jax.tree.map(lambda x: x[rows], _per_row(state))
+    narrow = dataclasses.replace(rest, cache=kv.take_rows(state.cache, rows), step=state.step)
+    return _constrain_state(narrow, plan.rules)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("wide",))
+def put_rows(wide: SlotState, narrow: SlotState, rows: jax.Array, *, plan) -> SlotState:
+    """`wide` with rows [W] int32 replaced by the W rows of `narrow` (`take_rows` undone, into
+    an empty state when new requests arrive after a run narrowed)."""
+    TRACES["put_rows"] += 1
+    rest = jax.tree.map(lambda x, y: x.at[rows].set(y), _per_row(wide), _per_row(narrow))
+    cache = kv.put_rows(wide.cache, rows, narrow.cache)
+    return _constrain_state(dataclasses.replace(rest, cache=cache, step=narrow.step), plan.rules)
 
 
 def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):

@@ -36,6 +36,9 @@ from rkvjax.sampling import SamplerConfig, SamplingParams, SlotSampling
 # Decode steps per device call. A slot freed during a chunk is refilled after the next one (it
 # is dispatched before the host parses this one), so short chunks keep slots busy.
 DEFAULT_CHUNK = 16
+# A run narrows only while its longest row may still run this many chunks: fewer steps than
+# that would not pay for compiling the narrower program on a first run.
+NARROW_MIN_CHUNKS = 4
 DEFAULT_STOP_WIDTH = 8  # stop token ids per row (eos included)
 
 
@@ -136,6 +139,10 @@ class Engine:
       prefill_by_length: prompts admitted together are prefilled in one group per length
         bucket; False: in one group padded to the longest (as a static batch is).
       record_kept: keep the positions every compression kept (`GenerationResult.kept_positions`).
+      narrow_tail: once nothing waits and at most half the slots are busy, decode the busy rows
+        as a batch half as wide or narrower (a power of two, a multiple of the data shards),
+        so the tail of a run costs what its rows need; each width compiles once, and new
+        requests widen it back.
       teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
       chat: wrap text prompts in the model's chat template (default: when it has one).
       progress: a progress bar on stderr.
@@ -157,6 +164,7 @@ class Engine:
         max_prefill_rows: int | None = None,
         prefill_by_length: bool = True,
         record_kept: bool = False,
+        narrow_tail: bool = True,
         teacher: bool = False,
         keep_dists: bool = False,
         given_len: int = 0,
@@ -204,11 +212,13 @@ class Engine:
         self._given_len = given_len
         self._max_prefill = min(slots, max_prefill_rows or slots)
         self._prefill_by_length = prefill_by_length
+        self._narrow_tail = narrow_tail
         self._chat = chat
         self._progress = progress
         self._total = total
         self._bar = None
         self._queue: collections.deque[_Pending] = collections.deque()
+        # Row b of the state holds _owner[b]; a narrowed state has fewer rows than slots.
         self._owner: list[_Sample | None] = [None] * slots
         self._events: collections.deque = collections.deque()  # dispatched, not yet parsed
         self._release: set[int] = set()
@@ -494,26 +504,69 @@ class Engine:
                 finished += self._parse(self._events.popleft())
             self._admit()
             self._flush_release()
+            self._narrow()
         self._update_bar(finished)
         return finished
 
+    def _empty_state(self) -> engine.SlotState:
+        return engine.init_state(
+            self.model.decoder,
+            slots=self.slots,
+            capacity=self.capacity,
+            stop_width=self._stop_width,
+            given_len=self._given_len,
+            plan=self.plan,
+        )
+
     def _ensure_state(self) -> None:
         if self._state is None:
-            self._state = engine.init_state(
-                self.model.decoder,
-                slots=self.slots,
-                capacity=self.capacity,
-                stop_width=self._stop_width,
-                given_len=self._given_len,
-                plan=self.plan,
-            )
+            self._state = self._empty_state()
+
+    def _plan_of(self, width: int) -> engine.Plan:
+        """The plan of a `width`-row state: the engine's, with no more lanes than rows."""
+        if width == self.slots:
+            return self.plan
+        lanes = max(1, min(self.plan.lanes, width // self.model.data_shards))
+        return dataclasses.replace(self.plan, lanes=lanes)
+
+    def _narrow(self) -> None:
+        """Moves the busy rows into a state at most half as wide (`narrow_tail`)."""
+        if not self._narrow_tail or self._queue:
+            return
+        width = len(self._owner)
+        busy = [b for b, s in enumerate(self._owner) if s is not None]
+        if not busy:
+            return
+        w = requests.row_bucket(len(busy), width, self.model.data_shards)
+        # Host tokens lag the chunk in flight: an upper bound on the steps left either way.
+        left = max(self._owner[b].request.max_tokens - len(self._owner[b].tokens) for b in busy)
+        if w > width // 2 or left < NARROW_MIN_CHUNKS * self.chunk:
+            return
+        assert not self._release  # flushed: its row indices are the wide state's
+        idle = [b for b, s in enumerate(self._owner) if s is None]
+        rows = busy + idle[: w - len(busy)]  # idle rows are inactive on the device
+        self._state = engine.take_rows(
+            self._state, _replicated(self.model, np.asarray(rows, np.int32)), plan=self._plan_of(w)
+        )
+        # The chunk in flight still parses: it names its samples, which `_free` finds by
+        # identity in the new layout.
+        self._owner = [self._owner[b] for b in rows]
+        self._counters["narrowings"] += 1
+
+    def _widen(self) -> None:
+        """Back to every slot for requests that arrived after the run narrowed. The narrow
+        rows keep their indices, so the chunk in flight and pending releases stay valid."""
+        w = len(self._owner)
+        rows = _replicated(self.model, np.arange(w, dtype=np.int32))
+        self._state = engine.put_rows(self._empty_state(), self._state, rows, plan=self.plan)
+        self._owner += [None] * (self.slots - w)
 
     def _dispatch_chunk(self) -> None:
         self._state, out = engine.decode(
             self.model.decoder,
             self._state,
             steps=self.chunk,
-            plan=self.plan,
+            plan=self._plan_of(len(self._owner)),
             refill_at=self._refill_at(),
         )
         self._events.append(("chunk", out, list(self._owner)))
@@ -534,14 +587,17 @@ class Engine:
         rows = [b for b in self._release if self._owner[b] is None]
         self._release.clear()
         if rows:
-            mask = np.zeros(self.slots, bool)
+            mask = np.zeros(len(self._owner), bool)
             mask[rows] = True
-            self._state = engine.release(self._state, device_rows(self.model, mask), plan=self.plan)
+            plan = self._plan_of(len(mask))
+            self._state = engine.release(self._state, device_rows(self.model, mask), plan=plan)
 
     def _admit(self) -> None:
         """Fills free slots from the queue: a prompt prefilled earlier whose other samples are
         waiting goes first (its prefill is kept, not repeated); then the next new prompts, as
         many whole requests as fit and part of the next, prefilled by length bucket."""
+        if self._queue and len(self._owner) < self.slots:
+            self._widen()
         while self._queue:
             free = [b for b, s in enumerate(self._owner) if s is None]
             if not free:
@@ -614,6 +670,7 @@ class Engine:
     ) -> None:
         """Scatters prefilled rows src[i] of `group` into the first free slots for samples[i]."""
         model = self.model
+        assert len(self._owner) == self.slots  # `_admit` widens a narrowed state first
         dst_slots = free[: len(samples)]
         r = requests.row_bucket(len(samples), self.slots)
         dst = dst_slots + [self.slots] * (r - len(samples))
@@ -687,6 +744,7 @@ class Engine:
         out = sharding.to_host(out)
         steps = int(out.steps)
         self._counters["decode_steps"] += steps
+        self._counters["row_steps"] += steps * len(owners)
         self._counters["busy"] += int(out.busy)
         self._counters["fired"] += int(out.fired)
         self._counters["stalled"] += int(out.stalled)
@@ -700,7 +758,7 @@ class Engine:
                 # A row cut by a stop string may compress again before the device stops it:
                 # only compressions before its last kept token are the sample's.
                 if (
-                    row < self.slots
+                    row < len(owners)
                     and live[row]
                     and out.kept_num[t, lane] < len(owners[row].tokens)
                 ):
@@ -843,6 +901,8 @@ class Engine:
             generated_tokens=gen,
             decode_steps=steps,
             slot_occupancy=c["busy"] / (self.slots * steps) if steps else 0.0,
+            decoded_row_steps=c["row_steps"],
+            narrowings=c["narrowings"],
             compressions=c["fired"],
             rows_compressed_per_step=c["fired"] / steps if steps else 0.0,
             stalled_row_steps=c["stalled"],

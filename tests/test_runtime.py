@@ -309,6 +309,51 @@ def test_engine_streams_results_as_they_finish(llama):
     assert eng.stats.samples == 3 and eng.stats.generated_tokens == 93
 
 
+def test_tail_narrows_and_widens_with_each_request_as_alone(llama):
+    """With nothing waiting, the batch halves as rows finish (4 -> 2 -> 1 rows: the long row
+    then decodes and compresses alone); a request submitted then widens it back to the slots,
+    and the two busy rows narrow again (4 -> 2 -> 1). Every request, greedy or seeded, gets
+    the tokens and compressions it gets alone, and the device decodes fewer rows than slots x
+    steps."""
+    cc = compression_config("rkv", BUDGET, buffer=BUFFER)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+    reqs = {
+        "a": (_prompt(9, 401), _greedy(8)),
+        "b": (_prompt(14, 402), seeded),
+        "c": (_prompt(11, 403), _greedy(12)),
+        "long": (_prompt(10, 404), _greedy(150)),
+    }
+    late = (_prompt(13, 405), SamplingParams(temperature=0.7, seed=9, max_tokens=20))
+    eng = rkvjax.Engine(llama, slots=4, cache=cc)
+    for rid, (prompt, sp) in reqs.items():
+        eng.submit(prompt, sp, request_id=rid)
+    got, narrowed_before_late = {}, None
+    for res in eng.results():
+        got[res.request_id] = res
+        if len(got) == 3:  # a, c and b: the long row is alone now
+            narrowed_before_late = eng.stats.narrowings
+            eng.submit(*late, request_id="late")
+    stats = eng.stats
+    assert narrowed_before_late == 2 and stats.narrowings == 4
+    assert stats.decoded_row_steps < stats.slots * stats.decode_steps
+    assert stats.decoded_row_steps >= stats.slot_occupancy * stats.slots * stats.decode_steps
+    for rid, (prompt, sp) in [*reqs.items(), ("late", late)]:
+        alone = rkvjax.Engine(llama, slots=1, cache=cc)
+        alone.submit(prompt, sp, request_id=rid)
+        (want,) = alone.run()
+        assert got[rid].token_ids == want.token_ids, rid
+        assert got[rid].stats.compressions == want.stats.compressions, rid
+    assert got["long"].stats.compressions > 5  # it compressed in the narrow batch too
+    wide = rkvjax.Engine(llama, slots=4, cache=cc, narrow_tail=False)
+    for rid, (prompt, sp) in reqs.items():
+        wide.submit(prompt, sp, request_id=rid)
+    assert {r.request_id: r.token_ids for r in wide.run()} == {
+        rid: got[rid].token_ids for rid in reqs
+    }
+    assert wide.stats.narrowings == 0
+    assert wide.stats.decoded_row_steps == 4 * wide.stats.decode_steps
+
+
 def test_engine_rejects_what_it_cannot_run(llama):
     """Bad requests fail at submit with a line naming the request, before anything runs."""
     eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))

@@ -110,6 +110,25 @@ def test_generate_matches_one_device(reference, load_sharded, shape, method):
     assert got[0].stats.batch_size == len(PROMPTS)  # dummy rows are not reported
 
 
+def test_tail_narrows_on_a_mesh(load_sharded, single):
+    """On a data=2 mesh a run's tail narrows to one row per data shard (its rows gathered
+    across devices) and decodes, compressing, as on one device, where it narrows to one row."""
+
+    def run(model):
+        cc = rkvjax.compression_config("rkv", 16, buffer=8)
+        eng = rkvjax.Engine(model, slots=4, cache=cc)
+        for i, (prompt, m) in enumerate(zip(PROMPTS, (8, 10, 100), strict=True)):
+            sp = rkvjax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+            eng.submit(prompt, sp, request_id=i)
+        out = sorted(eng.run(), key=lambda r: r.request_id)
+        return [(r.token_ids, r.stats.compressions) for r in out], eng.stats
+
+    got, stats = run(load_sharded(2, 2))
+    want, _ = run(single)
+    assert got == want
+    assert stats.narrowings == 1 and stats.decoded_row_steps < 4 * stats.decode_steps
+
+
 def _random_cache(rs, *, layers=1, b=4, k=2, n=4, c=24, h=16, w=8):
     def normal(*shape):
         return jnp.asarray(rs.normal(size=shape), jnp.float32)
