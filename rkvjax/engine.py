@@ -487,24 +487,56 @@ def release(state: SlotState, rows: jax.Array, *, plan) -> SlotState:
     return _constrain_state(dataclasses.replace(state, active=state.active & ~rows), plan.rules)
 
 
+def _state_axes(s: SlotState) -> SlotState:
+    """The logical axes of every leaf of a state, as `sharding.local` takes them."""
+    rest = jax.tree.map(lambda x: ("batch", *[None] * (x.ndim - 1)), _per_row(s))
+    n = len(s.cache.k)
+    cache = dataclasses.replace(
+        s.cache,
+        k=(kv.KV_AXES,) * n,
+        v=(kv.KV_AXES,) * n,
+        slot_pos=(kv.SLOT_AXES,) * n,
+        q_win=(kv.QWIN_AXES,) * n,
+        length=kv.ROW_AXES,
+        pos=kv.ROW_AXES,
+    )
+    return dataclasses.replace(rest, cache=cache, step=())
+
+
 @functools.partial(jax.jit, static_argnames=("plan",))
 def take_rows(state: SlotState, rows: jax.Array, *, plan) -> SlotState:
-    """The state of rows [W] int32 of `state`, in that order: a narrower batch, so that the
-    tail of a run decodes only the rows it still has (`plan` is the narrow width's)."""
+    """A narrower state: the rows of `state` that rows [W] int32 name, in that order, so that
+    the tail of a run decodes only the rows it still has (`plan` is the narrow width's).
+
+    On a mesh each data shard takes W / D rows of its own (`rows` is split like the batch and
+    holds indices into the shard's rows), so no row moves between devices: gathered with
+    global indices, every device held the whole narrow state."""
     TRACES["take_rows"] += 1
-    rest = jax.tree.map(lambda x: x[rows], _per_row(state))
-    narrow = dataclasses.replace(rest, cache=kv.take_rows(state.cache, rows), step=state.step)
+
+    def take(s, rows):
+        rest = jax.tree.map(lambda x: x[rows], _per_row(s))
+        return dataclasses.replace(rest, cache=kv.take_rows(s.cache, rows), step=s.step)
+
+    axes = _state_axes(state)
+    narrow = sharding.local(take, plan.rules, (axes, kv.ROW_AXES), axes)(state, rows)
     return _constrain_state(narrow, plan.rules)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("wide",))
 def put_rows(wide: SlotState, narrow: SlotState, rows: jax.Array, *, plan) -> SlotState:
-    """`wide` with rows [W] int32 replaced by the W rows of `narrow` (`take_rows` undone, into
-    an empty state when new requests arrive after a run narrowed)."""
+    """`wide` with the rows that rows [W] int32 name replaced by the W rows of `narrow`
+    (`take_rows` undone into an empty state when requests arrive after a run narrowed; on a
+    mesh, per data shard as there)."""
     TRACES["put_rows"] += 1
-    rest = jax.tree.map(lambda x, y: x.at[rows].set(y), _per_row(wide), _per_row(narrow))
-    cache = kv.put_rows(wide.cache, rows, narrow.cache)
-    return _constrain_state(dataclasses.replace(rest, cache=cache, step=narrow.step), plan.rules)
+
+    def put(w, n, rows):
+        rest = jax.tree.map(lambda x, y: x.at[rows].set(y), _per_row(w), _per_row(n))
+        cache = kv.put_rows(w.cache, rows, n.cache)
+        return dataclasses.replace(rest, cache=cache, step=n.step)
+
+    axes = _state_axes(wide)
+    out = sharding.local(put, plan.rules, (axes, axes, kv.ROW_AXES), axes)(wide, narrow, rows)
+    return _constrain_state(out, plan.rules)
 
 
 def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):

@@ -140,9 +140,9 @@ class Engine:
         bucket; False: in one group padded to the longest (as a static batch is).
       record_kept: keep the positions every compression kept (`GenerationResult.kept_positions`).
       narrow_tail: once nothing waits and at most half the slots are busy, decode the busy rows
-        as a batch half as wide or narrower (a power of two, a multiple of the data shards),
-        so the tail of a run costs what its rows need; each width compiles once, and new
-        requests widen it back.
+        as a batch half as wide or narrower (a power of two rows per data shard, each shard
+        keeping its own), so the tail of a run costs what its rows need; each width compiles
+        its decode once, and new requests widen it back.
       teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
       chat: wrap text prompts in the model's chat template (default: when it has one).
       progress: a progress bar on stderr.
@@ -530,36 +530,54 @@ class Engine:
         return dataclasses.replace(self.plan, lanes=lanes)
 
     def _narrow(self) -> None:
-        """Moves the busy rows into a state at most half as wide (`narrow_tail`)."""
+        """Moves the busy rows into a state at most half as wide (`narrow_tail`). On a mesh
+        each data shard keeps its own busy rows (`engine.take_rows`), the same number each."""
         if not self._narrow_tail or self._queue:
             return
-        width = len(self._owner)
-        busy = [b for b, s in enumerate(self._owner) if s is not None]
+        busy = [s for s in self._owner if s is not None]
         if not busy:
             return
-        w = requests.row_bucket(len(busy), width, self.model.data_shards)
         # Host tokens lag the chunk in flight: an upper bound on the steps left either way.
-        left = max(self._owner[b].request.max_tokens - len(self._owner[b].tokens) for b in busy)
-        if w > width // 2 or left < NARROW_MIN_CHUNKS * self.chunk:
+        left = max(s.request.max_tokens - len(s.tokens) for s in busy)
+        shards = self._shard_rows()
+        per = len(shards[0])
+        most = max(sum(s is not None for s in rows) for rows in shards)
+        w = requests.row_bucket(most, per)  # rows per data shard
+        if w > per // 2 or left < NARROW_MIN_CHUNKS * self.chunk:
             return
         assert not self._release  # flushed: its row indices are the wide state's
-        idle = [b for b, s in enumerate(self._owner) if s is None]
-        rows = busy + idle[: w - len(busy)]  # idle rows are inactive on the device
+        local, owner = [], []
+        for rows in shards:
+            # Idle rows pad a shard's block: they are inactive on the device.
+            keep = [j for j, s in enumerate(rows) if s is not None]
+            keep += [j for j, s in enumerate(rows) if s is None][: w - len(keep)]
+            local += keep
+            owner += [rows[j] for j in keep]
         self._state = engine.take_rows(
-            self._state, _replicated(self.model, np.asarray(rows, np.int32)), plan=self._plan_of(w)
+            self._state,
+            device_rows(self.model, np.asarray(local, np.int32)),
+            plan=self._plan_of(w * len(shards)),
         )
         # The chunk in flight still parses: it names its samples, which `_free` finds by
         # identity in the new layout.
-        self._owner = [self._owner[b] for b in rows]
+        self._owner = owner
         self._counters["narrowings"] += 1
 
     def _widen(self) -> None:
-        """Back to every slot for requests that arrived after the run narrowed. The narrow
-        rows keep their indices, so the chunk in flight and pending releases stay valid."""
-        w = len(self._owner)
-        rows = _replicated(self.model, np.arange(w, dtype=np.int32))
+        """Back to every slot for requests that arrived after the run narrowed: each data
+        shard's rows go to the first rows of its block of the full state."""
+        assert not self._release  # flushed at the end of the last round
+        shards = self._shard_rows()
+        w, per = len(shards[0]), self.slots // len(shards)
+        rows = device_rows(self.model, np.tile(np.arange(w, dtype=np.int32), len(shards)))
         self._state = engine.put_rows(self._empty_state(), self._state, rows, plan=self.plan)
-        self._owner += [None] * (self.slots - w)
+        self._owner = [s for block in shards for s in block + [None] * (per - w)]
+
+    def _shard_rows(self) -> list[list[_Sample | None]]:
+        """`_owner` cut into the data shards' blocks of rows."""
+        d = self.model.data_shards
+        per = len(self._owner) // d
+        return [self._owner[i * per : (i + 1) * per] for i in range(d)]
 
     def _dispatch_chunk(self) -> None:
         self._state, out = engine.decode(

@@ -10,7 +10,7 @@ import pytest
 
 import rkvjax
 from rkvjax import cache as kv
-from rkvjax import cli, engine, policy, sharding
+from rkvjax import cli, engine, policy, runtime, sharding
 from rkvjax.config import CompressionConfig
 from rkvjax.layers import as_storage
 from tests.hf_tiny import VOCAB
@@ -123,10 +123,18 @@ def test_tail_narrows_on_a_mesh(load_sharded, single):
         out = sorted(eng.run(), key=lambda r: r.request_id)
         return [(r.token_ids, r.stats.compressions) for r in out], eng.stats
 
-    got, stats = run(load_sharded(2, 2))
+    mesh_model = load_sharded(2, 2)
+    got, stats = run(mesh_model)
     want, _ = run(single)
     assert got == want
     assert stats.narrowings == 1 and stats.decoded_row_steps < 4 * stats.decode_steps
+    # Each data shard gathers its own rows: narrowing moves nothing between devices (with
+    # global indices, every device gathered the whole narrow state).
+    eng = rkvjax.Engine(mesh_model, slots=8, cache=rkvjax.compression_config("rkv", 16, buffer=8))
+    with jax.set_mesh(mesh_model.mesh):
+        rows = runtime.device_rows(mesh_model, np.asarray([1, 3, 0, 2], np.int32))
+        hlo = engine.take_rows.lower(eng._empty_state(), rows, plan=eng._plan_of(4)).compile()
+    assert not [op for op in COLLECTIVES if op in hlo.as_text()]
 
 
 def _random_cache(rs, *, layers=1, b=4, k=2, n=4, c=24, h=16, w=8):
