@@ -70,24 +70,26 @@ QWIN_AXES = ("batch", "q_heads", "window", "head_dim")
 ROW_AXES = ("batch",)
 
 
+def axes(cache: KVCache) -> KVCache:
+    """The logical axes of each leaf of `cache` (what `sharding.local` and `constrain` take)."""
+    n = len(cache.k)
+    return dataclasses.replace(
+        cache,
+        k=(KV_AXES,) * n,
+        v=(KV_AXES,) * n,
+        slot_pos=(SLOT_AXES,) * n,
+        q_win=(QWIN_AXES,) * len(cache.q_win),  # none for FullKV
+        length=ROW_AXES,
+        pos=ROW_AXES,
+    )
+
+
 def constrain(cache: KVCache, rules: sharding.ShardingRules | None) -> KVCache:
     """The cache pinned to [B->data, K->model] (q_win [B->data, N->model]); a no-op without
     rules. Decode inherits these shardings through the donated loop state."""
     if rules is None:
         return cache
-
-    def pin(xs, axes):
-        return tuple(sharding.constrain(x, rules, *axes) for x in xs)
-
-    return dataclasses.replace(
-        cache,
-        k=pin(cache.k, KV_AXES),
-        v=pin(cache.v, KV_AXES),
-        slot_pos=pin(cache.slot_pos, SLOT_AXES),
-        q_win=pin(cache.q_win, QWIN_AXES),
-        length=sharding.constrain(cache.length, rules, *ROW_AXES),
-        pos=sharding.constrain(cache.pos, rules, *ROW_AXES),
-    )
+    return jax.tree.map(lambda x, a: sharding.constrain(x, rules, *a), cache, axes(cache))
 
 
 def valid_first(idx: jax.Array, slot_pos: jax.Array) -> jax.Array:

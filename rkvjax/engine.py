@@ -158,18 +158,20 @@ def _rows(x, rules):
     return sharding.constrain(x, rules, "batch", *[None] * (x.ndim - 1))
 
 
+def _state_axes(s: SlotState) -> SlotState:
+    """The logical axes of every leaf of a state: rows on "batch" (the cache's heads on
+    "model", `kv.axes`), the step replicated."""
+    rest = jax.tree.map(lambda x: ("batch", *[None] * (x.ndim - 1)), _per_row(s))
+    return dataclasses.replace(rest, cache=kv.axes(s.cache), step=())
+
+
 def _constrain_state(s: SlotState, rules: sharding.ShardingRules | None) -> SlotState:
     """Pins every leaf of the state (rows on "data", the cache also on "model"). Every jit
     boundary ends with it, so each call receives the shardings the previous one returned and
     nothing recompiles on a mesh either."""
     if rules is None:
         return s
-    rows = functools.partial(_rows, rules=rules)
-    return dataclasses.replace(
-        jax.tree.map(rows, _per_row(s)),
-        cache=kv.constrain(s.cache, rules),
-        step=sharding.constrain(s.step, rules),
-    )
+    return jax.tree.map(lambda x, a: sharding.constrain(x, rules, *a), s, _state_axes(s))
 
 
 def _causal_attend(positions: jax.Array):
@@ -485,22 +487,6 @@ def release(state: SlotState, rows: jax.Array, *, plan) -> SlotState:
     and compressing, and their slots are free."""
     TRACES["release"] += 1
     return _constrain_state(dataclasses.replace(state, active=state.active & ~rows), plan.rules)
-
-
-def _state_axes(s: SlotState) -> SlotState:
-    """The logical axes of every leaf of a state, as `sharding.local` takes them."""
-    rest = jax.tree.map(lambda x: ("batch", *[None] * (x.ndim - 1)), _per_row(s))
-    n = len(s.cache.k)
-    cache = dataclasses.replace(
-        s.cache,
-        k=(kv.KV_AXES,) * n,
-        v=(kv.KV_AXES,) * n,
-        slot_pos=(kv.SLOT_AXES,) * n,
-        q_win=(kv.QWIN_AXES,) * n,
-        length=kv.ROW_AXES,
-        pos=kv.ROW_AXES,
-    )
-    return dataclasses.replace(rest, cache=cache, step=())
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
