@@ -58,6 +58,8 @@ class _Sample:
     dists: list[np.ndarray] = dataclasses.field(default_factory=list)
     kept: list[np.ndarray] = dataclasses.field(default_factory=list)
     compressions: int = 0
+    decode_compressions: int = 0  # those of `compressions` made while decoding
+    start_len: int = 0  # cache slots after prefill
     peak: int = 0
     stalls: int = 0
     ttft: float | None = None
@@ -75,6 +77,17 @@ class _Pending:
     samples: list[_Sample]
     group: engine.Prefilled | None = None  # kept while some of its samples wait for slots
     src: int = 0  # the request's row in `group`
+
+
+def _peak_at_cut(s: _Sample) -> int:
+    """The peak of a sample a stop string cut, without the steps its row ran on after the cut
+    until the device stopped it. Between compressions the cache grows a slot per token, and a
+    decode-time compression fires only at the full cache, which no later step exceeds: so with
+    one the device's peak is the sample's; without, the sample's last step held the most
+    (the prefill's slots, and every token but the last)."""
+    if s.decode_compressions:
+        return s.peak
+    return min(s.peak, s.start_len + len(s.tokens) - 1)
 
 
 def _on_mesh(model: Model):
@@ -747,7 +760,7 @@ class Engine:
         for r, s in enumerate(samples):
             s.ttft = (now - s.submitted) - (comp - s.compile_at_submit)
             s.compressions = int(out.compressions[r])
-            s.peak = int(out.peak[r])
+            s.peak = s.start_len = int(out.peak[r])
             if kept is not None and s.compressions:
                 s.kept.append(kept[src[r]])
             self._take(s, out, r)
@@ -781,12 +794,15 @@ class Engine:
                     and out.kept_num[t, lane] < len(owners[row].tokens)
                 ):
                     owners[row].compressions += 1
+                    owners[row].decode_compressions += 1
                     if out.kept.shape[1]:
                         owners[row].kept.append(out.kept[t, lane])
         done = []
         for b, s in enumerate(owners):
             if not live[b]:
                 continue
+            if s.reason == "stop":  # cut by a stop string in this chunk (live before it)
+                s.peak = _peak_at_cut(s)
             if not out.active[b] and not s.finished:
                 self._finish(s, out, b)
             if s.finished:

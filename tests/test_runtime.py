@@ -424,8 +424,9 @@ def test_stop_strings_end_requests_early(smol):
     (short,) = run([_greedy(n)])
     assert short.token_ids == out[0].token_ids
     # The row ran on for the rest of its chunk and compressed again at 8 tokens; those
-    # compressions are not the sample's.
+    # compressions, and the slots it filled meanwhile, are not the sample's.
     assert n < 8 and out[0].stats.compressions == short.stats.compressions == 1
+    assert out[0].stats.peak_cache_slots == short.stats.peak_cache_slots < cc.budget + cc.buffer
 
 
 def test_score_and_stop_ids_with_several_eos_ids(llama):
