@@ -155,7 +155,8 @@ class Engine:
       narrow_tail: once nothing waits and at most half the slots are busy, decode the busy rows
         as a batch half as wide or narrower (a power of two rows per data shard, each shard
         keeping its own), so the tail of a run costs what its rows need; each width compiles
-        its decode once, and new requests widen it back.
+        its decode once. New requests take its free rows, and widen it back to every slot
+        when more wait than fit.
       teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
       chat: wrap text prompts in the model's chat template (default: when it has one).
       progress: a progress bar on stderr.
@@ -585,6 +586,7 @@ class Engine:
         rows = device_rows(self.model, np.tile(np.arange(w, dtype=np.int32), len(shards)))
         self._state = engine.put_rows(self._empty_state(), self._state, rows, plan=self.plan)
         self._owner = [s for block in shards for s in block + [None] * (per - w)]
+        self._counters["widenings"] += 1
 
     def _shard_rows(self) -> list[list[_Sample | None]]:
         """`_owner` cut into the data shards' blocks of rows."""
@@ -608,11 +610,15 @@ class Engine:
         sooner; with nothing waiting, never. Chunks stay long when slots free up one by one
         in a large batch, and the host keeps one chunk in flight either way."""
         need = max(1, self.slots // 16)
-        # Every queued request has a sample left: the first `need` of them are enough to
-        # know, without a pass over a long queue on every chunk.
-        waiting = sum(len(p.samples) for p in itertools.islice(self._queue, need))
+        waiting = self._waiting(need)
         at = min(waiting, need) if waiting else self.slots + 1
         return np.int32(at)  # a value, not a shape: never recompiles
+
+    def _waiting(self, enough: int) -> int:
+        """Samples waiting in the queue, counted up to at least `enough` of them: every queued
+        request has a sample left, so its first `enough` entries tell, without a pass over a
+        long queue on every chunk."""
+        return sum(len(p.samples) for p in itertools.islice(self._queue, enough))
 
     def _flush_release(self) -> None:
         rows = [b for b in self._release if self._owner[b] is None]
@@ -627,8 +633,10 @@ class Engine:
         """Fills free slots from the queue: a prompt prefilled earlier whose other samples are
         waiting goes first (its prefill is kept, not repeated); then the next new prompts, as
         many whole requests as fit and part of the next, prefilled by length bucket."""
-        if self._queue and len(self._owner) < self.slots:
-            self._widen()
+        if len(self._owner) < self.slots:
+            free = sum(s is None for s in self._owner)
+            if self._waiting(free + 1) > free:  # the narrow state's free rows are too few
+                self._widen()
         while self._queue:
             free = [b for b, s in enumerate(self._owner) if s is None]
             if not free:
@@ -663,7 +671,7 @@ class Engine:
                         e.group, e.src = group, j
                         self._queue.appendleft(e)
                 self._insert(group, src, samples, free)
-                free = free[len(samples) :]
+                free = [b for b in free if self._owner[b] is None]
 
     def _prefill_groups(self, entries: list[_Pending]) -> list[list[int]]:
         """Which of the prompts admitted together share a prefill: those of one length
@@ -699,12 +707,12 @@ class Engine:
     def _insert(
         self, group: engine.Prefilled, src: list[int], samples: list[_Sample], free: list[int]
     ) -> None:
-        """Scatters prefilled rows src[i] of `group` into the first free slots for samples[i]."""
-        model = self.model
-        assert len(self._owner) == self.slots  # `_admit` widens a narrowed state first
-        dst_slots = free[: len(samples)]
-        r = requests.row_bucket(len(samples), self.slots)
-        dst = dst_slots + [self.slots] * (r - len(samples))
+        """Scatters prefilled rows src[i] of `group` into free rows for samples[i] (`_place`),
+        in the state as wide as it is now."""
+        model, width = self.model, len(self._owner)
+        dst_slots = self._place(samples, free)
+        r = requests.row_bucket(len(samples), width)
+        dst = dst_slots + [width] * (r - len(samples))
         src_rows = src + [0] * (r - len(samples))
         new = self._new_rows([s.request for s in samples], [s.index for s in samples], r)
         self._state, first = engine.insert(
@@ -713,13 +721,37 @@ class Engine:
             _replicated(model, np.asarray(src_rows, np.int32)),
             _replicated(model, np.asarray(dst, np.int32)),
             new,
-            plan=self.plan,
+            plan=self._plan_of(width),
         )
         for slot, s in zip(dst_slots, samples, strict=True):
             self._owner[slot] = s
         kept = group.kept if self.plan.record_kept and self.compression.compressing else None
         self._events.append(("insert", (first, kept, src), samples))
         self._batch_peak = max(self._batch_peak, sum(s is not None for s in self._owner))
+
+    def _place(self, samples: list[_Sample], free: list[int]) -> list[int]:
+        """Free rows for `samples`, spread over the data shards so that the tail can narrow:
+        the longest sample first, each into the shard with the fewest rows that may outlive
+        it (then the fewest busy rows). Token budgets stand in for lengths. One device: the
+        first free rows."""
+        shards = self._shard_rows()
+        if len(shards) == 1:
+            return free[: len(samples)]
+        per = len(shards[0])
+        open_rows = [[b for b in free if b // per == d] for d in range(len(shards))]
+        left = [
+            [s.request.max_tokens - len(s.tokens) for s in rows if s is not None] for rows in shards
+        ]
+        rows = {}
+        for i in sorted(range(len(samples)), key=lambda i: -samples[i].request.max_tokens):
+            n = samples[i].request.max_tokens
+            d = min(
+                (d for d in range(len(shards)) if open_rows[d]),
+                key=lambda d: (sum(m >= n for m in left[d]), len(left[d]), d),
+            )
+            rows[i] = open_rows[d].pop(0)
+            left[d].append(n)
+        return [rows[i] for i in range(len(samples))]
 
     def _new_rows(self, reqs: list[Request], indices: list[int], r: int) -> engine.NewRows:
         """Per-destination arrays of an insert, padded to r rows."""
@@ -937,6 +969,7 @@ class Engine:
             slot_occupancy=c["busy"] / (self.slots * steps) if steps else 0.0,
             decoded_row_steps=c["row_steps"],
             narrowings=c["narrowings"],
+            widenings=c["widenings"],
             compressions=c["fired"],
             rows_compressed_per_step=c["fired"] / steps if steps else 0.0,
             stalled_row_steps=c["stalled"],

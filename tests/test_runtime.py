@@ -334,7 +334,7 @@ def test_tail_narrows_and_widens_with_each_request_as_alone(llama):
             narrowed_before_late = eng.stats.narrowings
             eng.submit(*late, request_id="late")
     stats = eng.stats
-    assert narrowed_before_late == 2 and stats.narrowings == 4
+    assert narrowed_before_late == 2 and (stats.narrowings, stats.widenings) == (4, 1)
     assert stats.decoded_row_steps < stats.slots * stats.decode_steps
     assert stats.decoded_row_steps >= stats.slot_occupancy * stats.slots * stats.decode_steps
     for rid, (prompt, sp) in [*reqs.items(), ("late", late)]:
@@ -352,6 +352,32 @@ def test_tail_narrows_and_widens_with_each_request_as_alone(llama):
     }
     assert wide.stats.narrowings == 0
     assert wide.stats.decoded_row_steps == 4 * wide.stats.decode_steps
+
+
+def test_tail_admits_a_late_request_into_its_free_rows(llama):
+    """A narrowed state with a free row takes a late request there instead of widening: three
+    long rows of eight slots narrow to four rows, one of them idle, and a request submitted
+    then runs in it, with the tokens it gets alone (no widening: it would narrow again)."""
+    cc = compression_config("rkv", BUDGET, buffer=BUFFER)
+    reqs = {f"long{i}": (_prompt(9 + i, 410 + i), _greedy(120 + 4 * i)) for i in range(3)}
+    reqs |= {f"short{i}": (_prompt(10 + i, 420 + i), _greedy(8)) for i in range(5)}
+    late = (_prompt(12, 430), SamplingParams(temperature=0.7, seed=3, max_tokens=20))
+    eng = rkvjax.Engine(llama, slots=8, cache=cc)
+    for rid, (prompt, sp) in reqs.items():
+        eng.submit(prompt, sp, request_id=rid)
+    got = {}
+    for res in eng.results():
+        got[res.request_id] = res
+        if len(got) == 5:  # the short ones: three rows left, in four
+            assert (eng.stats.narrowings, eng.busy_slots) == (1, 3)
+            eng.submit(*late, request_id="late")
+    assert (eng.stats.narrowings, eng.stats.widenings) == (1, 0)
+    for rid, (prompt, sp) in [("late", late), ("long2", reqs["long2"])]:
+        alone = rkvjax.Engine(llama, slots=1, cache=cc)
+        alone.submit(prompt, sp, request_id=rid)
+        (want,) = alone.run()
+        assert got[rid].token_ids == want.token_ids, rid
+        assert got[rid].stats.compressions == want.stats.compressions, rid
 
 
 def test_engine_rejects_what_it_cannot_run(llama):

@@ -111,13 +111,14 @@ def test_generate_matches_one_device(reference, load_sharded, shape, method):
 
 
 def test_tail_narrows_on_a_mesh(load_sharded, single):
-    """On a data=2 mesh a run's tail narrows to one row per data shard (its rows gathered
-    across devices) and decodes, compressing, as on one device, where it narrows to one row."""
+    """On a data=2 mesh a run's tail narrows to one row per data shard and decodes,
+    compressing, as on one device, where it narrows to two rows. The two long requests go
+    to different shards: in the first free rows, both in shard 0, it could never narrow."""
 
     def run(model):
         cc = rkvjax.compression_config("rkv", 16, buffer=8)
         eng = rkvjax.Engine(model, slots=4, cache=cc)
-        for i, (prompt, m) in enumerate(zip(PROMPTS, (8, 10, 100), strict=True)):
+        for i, (prompt, m) in enumerate(zip(PROMPTS, (100, 90, 8), strict=True)):
             sp = rkvjax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
             eng.submit(prompt, sp, request_id=i)
         out = sorted(eng.run(), key=lambda r: r.request_id)
