@@ -91,13 +91,17 @@ def save(shape: str, folder: Path, *, dtype: str = "float32", std: float = 0.2, 
     return Path(folder)
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("shape", choices=list(SHAPES))
     p.add_argument("folder", type=Path)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--std", type=float, default=0.2, help="weights are N(0, std)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     print(save(args.shape, args.folder, dtype=args.dtype, std=args.std))
 
 

@@ -11,13 +11,14 @@
 #   4. decode speed of a random-init DeepSeek-R1-Distill-Qwen-1.5B-shaped model in bfloat16,
 #      rkvjax against transformers on the same GPU, at batch 1 and 32.
 # Not in the default pass (name them): memory_speed (R-KV against FullKV as one row's context
-# grows) and load_time (loading from safetensors and from an `rkvjax convert` folder).
+# grows), tail (a run's tail decoded narrow against every slot, 64 slots) and load_time
+# (loading from safetensors and from an `rkvjax convert` folder).
 #
 #   bash bench/gpu_suite.sh [OUT_DIR [STEP...]]   # default bench/results/gpu, every step
 #
-# STEP is one of tests, scale, kernel, checkpoint, decode, memory_speed, load_time; named steps
-# run in the order given (decode, memory_speed and load_time need checkpoint, in this run or an
-# earlier one). Each step has its own time limit and log, and a failing step does not stop the
+# STEP is one of tests, scale, kernel, checkpoint, decode, memory_speed, tail, load_time; named
+# steps run in the order given (decode, memory_speed, tail and load_time need checkpoint, in
+# this run or an earlier one). Each step has its own time limit and log, and a failing step does not stop the
 # next one. Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs
 # rkvjax itself (editable, without dependencies) when it is not importable. Run from the
 # repository root (`python -m bench`). Results: OUT_DIR/<suite>/ (results.jsonl, table.md,
@@ -70,6 +71,11 @@ run_step() {
 	memory_speed) step memory_speed 120 $py -m bench memory --out "$out" --model "$ckpt" \
 		--dtype bfloat16 --methods full rkv --budget 1024 --contexts 4096 16384 --new-tokens 256 \
 		--repeats 3 --skip-capacity ;;
+	# Whether the narrow tail repays compiling each width at scale: 64 requests in 64 slots,
+	# one at 2048 tokens, the rest 128..1024 (its CPU run is 16 slots of the 135M model).
+	tail) step tail 180 $py -m bench tail --out "$out" --model "$ckpt" --dtype bfloat16 \
+		--slots 64 --long-tokens 2048 --short-tokens 128 1024 --prompt 256 --budget 1024 \
+		--buffer 128 --repeats 1 ;;
 	# Several processes share the GPU here, so none may take JAX's default 75% up front.
 	load_time) step load_time 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m bench load \
 		--out "$out" --model "$ckpt" --dtype bfloat16 --repeats 3 ;;

@@ -3,6 +3,8 @@
 import importlib.util
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +64,45 @@ def test_parse_args_suite_options_and_tiny_defaults():
     assert suites["memory"].methods == ["full"] and suites["memory"].contexts == [256]
     with pytest.raises(SystemExit):
         parse_args(["decode", "memory", "--batch", "4"])  # suite options need one suite
+
+
+def _gpu_steps(script: str) -> dict[str, tuple[str, list[str]]]:
+    """{case label: (the log it names, its command's words)} of gpu_suite.sh's `run_step`."""
+    body = script.split("run_step() {", 1)[1].split("esac", 1)[0].replace("\\\n", " ")
+    steps = {}
+    for line in body.splitlines():
+        m = re.fullmatch(r"\s*(\w+)\) step (\w+) \d+ (.*) ;;", line)
+        if m:
+            steps[m[1]] = (m[2], shlex.split(m[3]))
+    return steps
+
+
+def test_gpu_suite_commands_parse(tmp_path):
+    """Every step of bench/gpu_suite.sh parses with the options its program has today, and
+    the default pass names only steps it has: a renamed flag fails here, on CPU, not in the
+    few minutes of a GPU run."""
+    script = (ROOT / "bench" / "gpu_suite.sh").read_text()
+    steps = _gpu_steps(script)
+    assert {"tests", "scale", "kernel", "checkpoint", "decode", "tail"} <= set(steps)
+    default = re.search(r"\|\| steps=\((.*)\)", script)[1].split()
+    assert default and set(default) <= set(steps)
+    for label, (log, words) in steps.items():
+        assert log == label
+        while words[0] == "env" or "=" in words[0]:
+            words = words[1:]
+        assert words[:2] == ["$py", "-m"], label
+        sub = {"$out": str(tmp_path), "$ckpt": str(tmp_path / "ckpt")}
+        words = [sub.get(w, w) for w in words[2:]]
+        program, argv = words[0], words[1:]
+        if program == "pytest":
+            files = [w for w in argv if w.startswith("tests/")]
+            assert files and all((ROOT / f).is_file() for f in files), label
+        elif program == "bench":
+            _, suites = parse_args(argv)  # argparse exits (SystemExit) on a bad flag
+            assert len(suites) == 1, label
+        else:
+            assert program == "bench.checkpoints", label
+            checkpoints.parser().parse_args(argv)
 
 
 def test_markdown_table_and_timings():
