@@ -85,7 +85,7 @@ class RunStats:
     slot_occupancy: float  # busy row-steps / (slots x decode steps)
     decoded_row_steps: int  # rows decoded x steps: below slots x decode_steps once narrowed
     narrowings: int  # times the tail moved to a narrower batch (`Engine(narrow_tail=)`)
-    widenings: int  # times waiting requests moved a narrowed batch back to every slot
+    widenings: int  # times waiting requests moved a narrowed batch into a wider one
     compressions: int  # decode-time compressions (prompt compressions excluded)
     rows_compressed_per_step: float  # compressions / decode steps
     stalled_row_steps: int  # row-steps spent waiting for a compression lane

@@ -155,8 +155,8 @@ class Engine:
       narrow_tail: once nothing waits and at most half the slots are busy, decode the busy rows
         as a batch half as wide or narrower (a power of two rows per data shard, each shard
         keeping its own), so the tail of a run costs what its rows need; each width compiles
-        its decode once. New requests take its free rows, and widen it back to every slot
-        when more wait than fit.
+        its decode once. New requests take its free rows; when more wait than fit, it
+        widens as far as they need.
       teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
       chat: wrap text prompts in the model's chat template (default: when it has one).
       progress: a progress bar on stderr.
@@ -522,14 +522,16 @@ class Engine:
         self._update_bar(finished)
         return finished
 
-    def _empty_state(self) -> engine.SlotState:
+    def _empty_state(self, width: int | None = None) -> engine.SlotState:
+        """Nothing in any row: every slot, or `width` rows of a narrowed run."""
+        width = self.slots if width is None else width
         return engine.init_state(
             self.model.decoder,
-            slots=self.slots,
+            slots=width,
             capacity=self.capacity,
             stop_width=self._stop_width,
             given_len=self._given_len,
-            plan=self.plan,
+            plan=self._plan_of(width),
         )
 
     def _ensure_state(self) -> None:
@@ -577,14 +579,20 @@ class Engine:
         self._owner = owner
         self._counters["narrowings"] += 1
 
-    def _widen(self) -> None:
-        """Back to every slot for requests that arrived after the run narrowed: each data
-        shard's rows go to the first rows of its block of the full state."""
+    def _widen(self, waiting: int) -> None:
+        """Widens a narrowed state for `waiting` new samples, to the narrowest width whose
+        free rows take them all (a power of two rows per data shard, at most every slot):
+        one request arriving after the run narrowed does not bring back every idle slot.
+        Each data shard's rows go to the first rows of its block of the wider state."""
         assert not self._release  # flushed at the end of the last round
         shards = self._shard_rows()
-        w, per = len(shards[0]), self.slots // len(shards)
-        rows = device_rows(self.model, np.tile(np.arange(w, dtype=np.int32), len(shards)))
-        self._state = engine.put_rows(self._empty_state(), self._state, rows, plan=self.plan)
+        d, w = len(shards), len(shards[0])
+        full = self.slots // d
+        need = min(-(-(self.busy_slots + waiting) // d), full)  # rows per data shard
+        per = requests.row_bucket(need, full)
+        rows = device_rows(self.model, np.tile(np.arange(w, dtype=np.int32), d))
+        plan = self._plan_of(per * d)
+        self._state = engine.put_rows(self._empty_state(per * d), self._state, rows, plan=plan)
         self._owner = [s for block in shards for s in block + [None] * (per - w)]
         self._counters["widenings"] += 1
 
@@ -635,8 +643,9 @@ class Engine:
         many whole requests as fit and part of the next, prefilled by length bucket."""
         if len(self._owner) < self.slots:
             free = sum(s is None for s in self._owner)
-            if self._waiting(free + 1) > free:  # the narrow state's free rows are too few
-                self._widen()
+            waiting = self._waiting(self.slots)  # enough to size the wider state
+            if waiting > free:  # the narrow state's free rows are too few
+                self._widen(waiting)
         while self._queue:
             free = [b for b, s in enumerate(self._owner) if s is None]
             if not free:
