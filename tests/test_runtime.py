@@ -309,40 +309,67 @@ def test_engine_streams_results_as_they_finish(llama):
     assert eng.stats.samples == 3 and eng.stats.generated_tokens == 93
 
 
-def test_tail_narrows_and_widens_with_each_request_as_alone(llama):
-    """With nothing waiting, the batch halves as rows finish (4 -> 2 -> 1 rows: the long row
-    then decodes and compresses alone); a request submitted then widens it as far as it needs
-    (1 -> 2 rows, not back to the 4 slots), and it narrows again when that request ends. Every
-    request, greedy or seeded, gets the tokens and compressions it gets alone, and the device
-    decodes fewer rows than slots x steps."""
-    cc = compression_config("rkv", BUDGET, buffer=BUFFER)
-    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
-    reqs = {
-        "a": (_prompt(9, 401), _greedy(8)),
-        "b": (_prompt(14, 402), seeded),
-        "c": (_prompt(11, 403), _greedy(12)),
-        "long": (_prompt(10, 404), _greedy(150)),
-    }
-    late = (_prompt(13, 405), SamplingParams(temperature=0.7, seed=9, max_tokens=20))
-    eng = rkvjax.Engine(llama, slots=4, cache=cc)
+def _rounds(eng: rkvjax.Engine, events) -> dict:
+    """Runs `eng` round by round as `results()` does; after a round in which events[0]'s
+    condition first holds, runs its action (a submission between rounds, as a server makes
+    them), then waits for the next event's. -> {request id: result}."""
+    got, events = {}, list(events)
+    eng._start()
+    while eng._queue or eng.busy_slots or eng._events:
+        got |= {res.request_id: res for res in eng._pump()}
+        if events and events[0][0](got):
+            events.pop(0)[1]()
+    assert not events, "an event's condition never held"
+    return got
+
+
+def _as_alone(llama, cc, got: dict, reqs: dict) -> None:
     for rid, (prompt, sp) in reqs.items():
-        eng.submit(prompt, sp, request_id=rid)
-    got, narrowed_before_late = {}, None
-    for res in eng.results():
-        got[res.request_id] = res
-        if len(got) == 3:  # a, c and b: the long row is alone now
-            narrowed_before_late = eng.stats.narrowings
-            eng.submit(*late, request_id="late")
-    stats = eng.stats
-    assert narrowed_before_late == 2 and (stats.narrowings, stats.widenings) == (3, 1)
-    assert stats.decoded_row_steps < stats.slots * stats.decode_steps
-    assert stats.decoded_row_steps >= stats.slot_occupancy * stats.slots * stats.decode_steps
-    for rid, (prompt, sp) in [*reqs.items(), ("late", late)]:
         alone = rkvjax.Engine(llama, slots=1, cache=cc)
         alone.submit(prompt, sp, request_id=rid)
         (want,) = alone.run()
         assert got[rid].token_ids == want.token_ids, rid
         assert got[rid].stats.compressions == want.stats.compressions, rid
+
+
+def test_tail_narrows_and_widens_with_each_request_as_alone(llama):
+    """With nothing waiting, the batch halves as rows finish (4 -> 2 -> 1 rows: the long row
+    then decodes and compresses alone); a request submitted then widens it as far as it needs
+    (1 -> 2 rows, not back to the 4 slots). Another, submitted when that one ends (as a
+    server would), refills its row before the state narrows; when it ends, the state narrows
+    again. Every request, greedy or seeded, gets the tokens and compressions it gets alone,
+    and the device decodes fewer rows than slots x steps."""
+    cc = compression_config("rkv", BUDGET, buffer=BUFFER)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)
+    reqs = {
+        "a": (_prompt(9, 401), _greedy(8)),
+        "b": (_prompt(14, 402), seeded),
+        "c": (_prompt(11, 403), _greedy(12)),
+        "long": (_prompt(10, 404), _greedy(250)),
+    }
+    late = {
+        "late": (_prompt(13, 405), SamplingParams(temperature=0.7, seed=9, max_tokens=20)),
+        "later": (_prompt(12, 406), _greedy(20)),
+    }
+    eng = rkvjax.Engine(llama, slots=4, cache=cc)
+    for rid, (prompt, sp) in reqs.items():
+        eng.submit(prompt, sp, request_id=rid)
+
+    def submit(rid):
+        eng.submit(*late[rid], request_id=rid)
+
+    got = _rounds(
+        eng,
+        [
+            (lambda got: eng.stats.narrowings == 2, lambda: submit("late")),
+            (lambda got: "late" in got, lambda: submit("later")),
+        ],
+    )
+    stats = eng.stats
+    assert (stats.narrowings, stats.widenings) == (3, 1)
+    assert stats.decoded_row_steps < stats.slots * stats.decode_steps
+    assert stats.decoded_row_steps >= stats.slot_occupancy * stats.slots * stats.decode_steps
+    _as_alone(llama, cc, got, {**reqs, **late})
     assert got["long"].stats.compressions > 5  # it compressed in the narrow batch too
     wide = rkvjax.Engine(llama, slots=4, cache=cc, narrow_tail=False)
     for rid, (prompt, sp) in reqs.items():
@@ -354,36 +381,39 @@ def test_tail_narrows_and_widens_with_each_request_as_alone(llama):
     assert wide.stats.decoded_row_steps == 4 * wide.stats.decode_steps
 
 
-def test_tail_admits_a_late_request_into_its_free_rows(llama):
-    """A narrowed state with a free row takes a late request there instead of widening: three
-    long rows of eight slots narrow to four rows, one of them idle, and a request submitted
-    then runs in it. Three requests submitted when it ends are more than the free row: the
-    state widens for them, and narrows again when they end. Each gets its tokens alone."""
+def test_tail_admits_late_requests_into_its_free_rows(llama):
+    """A narrowed state with a free row takes a late request there instead of widening: four
+    rows of eight slots narrow to four, and one ends; a request submitted then runs in its
+    row. Three requests submitted when that one ends are more than the free row: the state
+    widens for them, and narrows again when they end. Each request gets its tokens alone."""
     cc = compression_config("rkv", BUDGET, buffer=BUFFER)
-    reqs = {f"long{i}": (_prompt(9 + i, 410 + i), _greedy(160 + 4 * i)) for i in range(3)}
-    reqs |= {f"short{i}": (_prompt(10 + i, 420 + i), _greedy(8)) for i in range(5)}
+    reqs = {f"long{i}": (_prompt(9 + i, 410 + i), _greedy(260 + 4 * i)) for i in range(3)}
+    reqs |= {f"short{i}": (_prompt(10 + i, 420 + i), _greedy(8)) for i in range(4)}
+    reqs["mid"] = (_prompt(15, 425), _greedy(40))
     late = {"late": (_prompt(12, 430), SamplingParams(temperature=0.7, seed=3, max_tokens=20))}
     burst = {f"burst{i}": (_prompt(9 + 2 * i, 440 + i), _greedy(8)) for i in range(3)}
     eng = rkvjax.Engine(llama, slots=8, cache=cc)
     for rid, (prompt, sp) in reqs.items():
         eng.submit(prompt, sp, request_id=rid)
-    got = {}
-    for res in eng.results():
-        got[res.request_id] = res
-        if len(got) == 5:  # the short ones: three rows left, in four
-            assert (eng.stats.narrowings, eng.busy_slots) == (1, 3)
-            eng.submit(*late["late"], request_id="late")
-        if res.request_id == "late":
-            assert (eng.stats.narrowings, eng.stats.widenings) == (1, 0)
-            for rid, (prompt, sp) in burst.items():
-                eng.submit(prompt, sp, request_id=rid)
+
+    def submit(named):
+        for rid, (prompt, sp) in named.items():
+            eng.submit(prompt, sp, request_id=rid)
+
+    def counts(narrowings, widenings, busy):
+        st = eng.stats
+        assert (st.narrowings, st.widenings, eng.busy_slots) == (narrowings, widenings, busy)
+        return True
+
+    got = _rounds(
+        eng,
+        [
+            (lambda got: "mid" in got and counts(1, 0, 3), lambda: submit(late)),
+            (lambda got: "late" in got and counts(1, 0, 3), lambda: submit(burst)),
+        ],
+    )
     assert (eng.stats.narrowings, eng.stats.widenings) == (2, 1)
-    for rid, (prompt, sp) in [*late.items(), *burst.items(), ("long2", reqs["long2"])]:
-        alone = rkvjax.Engine(llama, slots=1, cache=cc)
-        alone.submit(prompt, sp, request_id=rid)
-        (want,) = alone.run()
-        assert got[rid].token_ids == want.token_ids, rid
-        assert got[rid].stats.compressions == want.stats.compressions, rid
+    _as_alone(llama, cc, got, {**late, **burst, "long2": reqs["long2"]})
 
 
 def test_engine_rejects_what_it_cannot_run(llama):
