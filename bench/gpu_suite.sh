@@ -72,10 +72,11 @@ run_step() {
 		--dtype bfloat16 --methods full rkv --budget 1024 --contexts 4096 16384 --new-tokens 256 \
 		--repeats 3 --skip-capacity ;;
 	# Whether the narrow tail repays compiling each width at scale: 64 requests in 64 slots,
-	# one at 2048 tokens, the rest 128..1024 (its CPU run is 16 slots of the 135M model).
+	# one at 2048 tokens, the rest 128..1024 (its CPU run is 16 slots of the 135M model). The
+	# batch scenario only: online runs the 63 short requests one after another.
 	tail) step tail 180 $py -m bench tail --out "$out" --model "$ckpt" --dtype bfloat16 \
 		--slots 64 --long-tokens 2048 --short-tokens 128 1024 --prompt 256 --budget 1024 \
-		--buffer 128 --repeats 1 ;;
+		--buffer 128 --repeats 1 --scenarios batch ;;
 	# Several processes share the GPU here, so none may take JAX's default 75% up front.
 	load_time) step load_time 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m bench load \
 		--out "$out" --model "$ckpt" --dtype bfloat16 --repeats 3 ;;

@@ -6,7 +6,8 @@ at 512, greedy with ignore_eos) run through an `rkvjax.Engine` in two scenarios:
   batch    every request submitted at once, one per slot: the short ones end and the long
            one decodes on alone.
   online   the long request and one short one first; each time a short one ends the next is
-           submitted, so two rows are busy all along (a server with a trickle of requests).
+           submitted: one short request at a time beside the long one, then alone once it
+           has ended (a server with a trickle of requests).
 
 and in two modes:
 

@@ -58,8 +58,6 @@ class _Sample:
     dists: list[np.ndarray] = dataclasses.field(default_factory=list)
     kept: list[np.ndarray] = dataclasses.field(default_factory=list)
     compressions: int = 0
-    decode_compressions: int = 0  # those of `compressions` made while decoding
-    start_len: int = 0  # cache slots after prefill
     peak: int = 0
     stalls: int = 0
     ttft: float | None = None
@@ -77,17 +75,6 @@ class _Pending:
     samples: list[_Sample]
     group: engine.Prefilled | None = None  # kept while some of its samples wait for slots
     src: int = 0  # the request's row in `group`
-
-
-def _peak_at_cut(s: _Sample) -> int:
-    """The peak of a sample a stop string cut, without the steps its row ran on after the cut
-    until the device stopped it. Between compressions the cache grows a slot per token, and a
-    decode-time compression fires only at the full cache, which no later step exceeds: so with
-    one the device's peak is the sample's; without, the sample's last step held the most
-    (the prefill's slots, and every token but the last)."""
-    if s.decode_compressions:
-        return s.peak
-    return min(s.peak, s.start_len + len(s.tokens) - 1)
 
 
 def _on_mesh(model: Model):
@@ -155,8 +142,9 @@ class Engine:
       narrow_tail: once nothing waits and at most half the slots are busy, decode the busy rows
         as a batch half as wide or narrower (a power of two rows per data shard, each shard
         keeping its own), so the tail of a run costs what its rows need; each width compiles
-        its decode once. New requests take its free rows; when more wait than fit, it
-        widens as far as they need.
+        its decode once. It narrows when two rounds in a row find it could, so that a
+        caller submitting as requests end refills their rows first. New requests take its
+        free rows; when more wait than fit, it widens as far as they need.
       teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
       chat: wrap text prompts in the model's chat template (default: when it has one).
       progress: a progress bar on stderr.
@@ -552,7 +540,7 @@ class Engine:
         # Only when the last round could narrow too, and to the wider of the two widths: a
         # caller that submits a request as each one ends (a server) refills the freed row
         # first, instead of the state narrowing and widening again on every request. A batch
-        # run narrows a chunk later.
+        # run narrows a round (a chunk) later.
         wish, self._narrow_wish = self._narrow_wish, None
         if not self._narrow_tail or self._queue:
             return
@@ -594,7 +582,9 @@ class Engine:
         free rows take them all (a power of two rows per data shard, at most every slot):
         one request arriving after the run narrowed does not bring back every idle slot.
         Each data shard's rows go to the first rows of its block of the wider state."""
-        assert not self._release  # flushed at the end of the last round
+        # Flushed at the end of the last round; `_admit`'s second call never widens (the
+        # first left the queue empty or the state full width).
+        assert not self._release
         shards = self._shard_rows()
         d, w = len(shards), len(shards[0])
         full = self.slots // d
@@ -812,7 +802,7 @@ class Engine:
         for r, s in enumerate(samples):
             s.ttft = (now - s.submitted) - (comp - s.compile_at_submit)
             s.compressions = int(out.compressions[r])
-            s.peak = s.start_len = int(out.peak[r])
+            s.peak = int(out.peak[r])
             if kept is not None and s.compressions:
                 s.kept.append(kept[src[r]])
             self._take(s, out, r)
@@ -846,15 +836,12 @@ class Engine:
                     and out.kept_num[t, lane] < len(owners[row].tokens)
                 ):
                     owners[row].compressions += 1
-                    owners[row].decode_compressions += 1
                     if out.kept.shape[1]:
                         owners[row].kept.append(out.kept[t, lane])
         done = []
         for b, s in enumerate(owners):
             if not live[b]:
                 continue
-            if s.reason == "stop":  # cut by a stop string in this chunk (live before it)
-                s.peak = _peak_at_cut(s)
             if not out.active[b] and not s.finished:
                 self._finish(s, out, b)
             if s.finished:
@@ -872,6 +859,8 @@ class Engine:
         if cut is not None:  # a stop string ends the sample at its token number `cut`
             n = cut - len(s.tokens)
             new = new[:n]
+            # Not the row's peak: it ran on until the device stopped it.
+            s.peak = int(out.peak_at[b, n - 1])
         s.tokens += new
         if out.logprob.shape[1]:
             s.logprobs += out.logprob[b, :n].tolist()
