@@ -139,9 +139,10 @@ class Tokens:
     compressions: jax.Array  # [B] int32
     peak: jax.Array  # [B] int32
     stalls: jax.Array  # [B] int32
-    # The row's peak as of each of its tokens: a stop string the host finds ends a sample
-    # before the row's last step on device.
+    # The row's peak and stalls as of each of its tokens: a stop string the host finds ends a
+    # sample before the row's last step on device.
     peak_at: jax.Array  # [B, T] int32
+    stalls_at: jax.Array  # [B, T] int32
     # Decode chunks only (zeros after an insert): the run's counters.
     kept_rows: jax.Array  # [T, D * lanes] int32 the row each lane compressed (max int = none)
     kept_num: jax.Array  # [T, D * lanes] int32 tokens that row had emitted when it compressed
@@ -339,6 +340,7 @@ def _empty_tokens(b: int, t: int, v: int, lanes: int, kept_shape, plan: Plan) ->
         peak=jnp.zeros((b,), jnp.int32),
         stalls=jnp.zeros((b,), jnp.int32),
         peak_at=jnp.zeros((b, t), jnp.int32),
+        stalls_at=jnp.zeros((b, t), jnp.int32),
         kept_rows=jnp.full((t, lanes), _NONE, jnp.int32),
         kept_num=jnp.zeros((t, lanes), jnp.int32),
         kept=jnp.zeros(kept_shape, jnp.int32),
@@ -486,6 +488,7 @@ def insert(
         compressions=compressions,
         peak=cache.length,
         peak_at=cache.length[:, None],
+        stalls_at=jnp.zeros((r, 1), jnp.int32),
     )
     return _constrain_state(state, plan.rules), out
 
@@ -574,9 +577,15 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
         plan,
     )
     peak = jnp.where(go, jnp.maximum(s.peak, cache.length), s.peak)
+    stalls = s.stalls + waiting
     # Elementwise, not a scatter: the rows stay split as they are on a mesh.
     at = (jnp.arange(o.peak_at.shape[1]) == (s.num - num0)[:, None]) & go[:, None]  # [B, T]
-    o = dataclasses.replace(o, **bufs, peak_at=jnp.where(at, peak[:, None], o.peak_at))
+    o = dataclasses.replace(
+        o,
+        **bufs,
+        peak_at=jnp.where(at, peak[:, None], o.peak_at),
+        stalls_at=jnp.where(at, stalls[:, None], o.stalls_at),
+    )
     num = s.num + go
     stop = _is_stop(tok, s.stop_ids) & (num >= s.sampling.min_tokens) & (not plan.teacher)
     finished = go & (stop | (num >= s.max_tokens))
@@ -589,7 +598,7 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
         thinking=s.thinking & ~(go & _think_end(cc, tok)),
         compressions=s.compressions + fired,
         peak=peak,
-        stalls=s.stalls + waiting,
+        stalls=stalls,
         counts=counts,
         step=s.step + 1,
     )
@@ -658,7 +667,7 @@ def _constrain_tokens(o: Tokens, plan: Plan) -> Tokens:
     rules = plan.rules
     if rules is None:
         return o
-    names = (*_ROW_OUT, "active", "compressions", "peak", "stalls", "peak_at")
+    names = (*_ROW_OUT, "active", "compressions", "peak", "stalls", "peak_at", "stalls_at")
     fields = {name: _rows(getattr(o, name), rules) for name in names}
     kept_rows = sharding.constrain(o.kept_rows, rules, None, "batch")
     kept_num = sharding.constrain(o.kept_num, rules, None, "batch")

@@ -859,8 +859,8 @@ class Engine:
         if cut is not None:  # a stop string ends the sample at its token number `cut`
             n = cut - len(s.tokens)
             new = new[:n]
-            # Not the row's peak: it ran on until the device stopped it.
-            s.peak = int(out.peak_at[b, n - 1])
+            # Not the row's: it ran on until the device stopped it.
+            s.peak, s.stalls = int(out.peak_at[b, n - 1]), int(out.stalls_at[b, n - 1])
         s.tokens += new
         if out.logprob.shape[1]:
             s.logprobs += out.logprob[b, :n].tolist()

@@ -489,6 +489,12 @@ def test_stop_strings_end_requests_early(smol):
     # compressions, and the slots it filled meanwhile, are not the sample's.
     assert n < 8 and out[0].stats.compressions == short.stats.compressions == 1
     assert out[0].stats.peak_cache_slots == short.stats.peak_cache_slots < cc.budget + cc.buffer
+    # Row 1 waits a step for the one compression lane when both rows fill together (at 8
+    # tokens): run in row 1, the cut sample is past its end by then, and that wait is not its.
+    swapped = run([_greedy(30), stopped])
+    assert swapped[1].token_ids == out[0].token_ids
+    assert (full[1].stats.stalled_steps, swapped[1].stats.stalled_steps) == (1, 0)
+    assert swapped[1].stats.peak_cache_slots == short.stats.peak_cache_slots
 
 
 def test_score_and_stop_ids_with_several_eos_ids(llama):
