@@ -54,10 +54,6 @@ def add_arguments(p) -> None:
     )
 
 
-def _engine(model, cc, slots: int, narrow: bool) -> rkvjax.Engine:
-    return rkvjax.Engine(model, slots=slots, cache=cc, narrow_tail=narrow)
-
-
 def _batch(eng: rkvjax.Engine, prompts, params) -> list:
     eng.submit_many(prompts, params, ids=list(range(len(prompts))))
     return eng.run()
@@ -81,7 +77,7 @@ SCENARIOS = {"batch": _batch, "online": _online}
 
 def run_once(model, cc, prompts, params, scenario: str, narrow: bool):
     """-> (wall seconds, of which compiling, tokens per request, runtime counters)."""
-    eng = _engine(model, cc, len(prompts), narrow)
+    eng = rkvjax.Engine(model, slots=len(prompts), cache=cc, narrow_tail=narrow)
     c0 = engine.compile_seconds()
     wall, out = common.timed(SCENARIOS[scenario], eng, prompts, params)
     tokens = [r.token_ids for r in sorted(out, key=lambda r: r.request_id)]
