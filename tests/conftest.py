@@ -51,12 +51,11 @@ def _release_compiled_programs():
 
 @pytest.fixture(scope="session")
 def shared_data():
-    """../shared/data next to the checkout (MATH-500, AIME 2024, real configs)."""
-    from pathlib import Path
+    """../shared/data next to the checkout (MATH-500, AIME 2024, real configs); a test that
+    takes it skips where it is absent (`tests/shared_data.py`)."""
+    from tests import shared_data
 
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
-    assert path.is_dir(), f"{path} is missing: these tests need the shared data folder"
-    return path
+    return shared_data.need()
 
 
 @pytest.fixture(scope="session")

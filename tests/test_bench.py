@@ -23,9 +23,10 @@ def _files(folder: Path) -> dict[str, int]:
     return {str(f.relative_to(folder)): f.stat().st_size for f in folder.rglob("*") if f.is_file()}
 
 
-def test_every_tiny_suite_writes_rows_table_and_plot(tmp_path):
+def test_every_tiny_suite_writes_rows_table_and_plot(tmp_path, shared_data):
     """`python -m bench all --tiny` from a shell: every suite writes its rows, table and plot
-    into --out and leaves the recorded results alone."""
+    into --out and leaves the recorded results alone. (The suites read their prompts and the
+    paper-shape configs from the shared data.)"""
     history = _files(common.RESULTS)
     out = tmp_path / "results"
     # Not this process's XLA_FLAGS (8 host devices for the sharding tests): the suite sets its
@@ -38,7 +39,7 @@ def test_every_tiny_suite_writes_rows_table_and_plot(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=3 * 3600,  # a guard against a hang only: it takes about 2 minutes
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
     plots = importlib.util.find_spec("matplotlib") is not None

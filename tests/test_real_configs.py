@@ -2,7 +2,8 @@
 of the published size, and real configs of models this engine does not run are refused.
 
 The files live outside the repository, in shared/data/real_configs next to it (SOURCES.md there
-says where each came from); the unverified/ folder is not used.
+says where each came from); the unverified/ folder is not used. Without that folder the tests
+skip (`tests/shared_data.py`).
 """
 
 import json
@@ -16,7 +17,9 @@ from flax import nnx
 from rkvjax.convert.hf_config import ConfigError, parse_hf_config
 from rkvjax.models.decoder import abstract_decoder
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real_configs"
+from tests import shared_data
+
+REAL = shared_data.SHARED_DATA / "real_configs"
 
 HF_SIZE = "Safetensors 'Model size' on huggingface.co/{}"
 CARD = "'Number of Parameters' in the model card, huggingface.co/{}"
@@ -95,7 +98,7 @@ _SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def _read(path: Path) -> dict:
-    assert REAL.is_dir(), f"{REAL} is missing: these tests need the shared real_configs folder"
+    shared_data.need("real_configs")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
@@ -121,7 +124,7 @@ def _sizes(cfg) -> dict[str, int]:
 
 
 def test_table_covers_every_config():
-    assert REAL.is_dir(), f"{REAL} is missing: these tests need the shared real_configs folder"
+    shared_data.need("real_configs")
     assert {p.stem for p in REAL.glob("*.json")} == PUBLISHED.keys()
     assert {p.stem for p in (REAL / "refuse").glob("*.json")} == REFUSED.keys()
 
