@@ -115,9 +115,7 @@ def run_once(runner, src: Path, folder: Path, name: str) -> tuple[float, float, 
         lambda: jobs.run_job(runner, src, dst, token_ids=True, progress=False)
     )
     compile_s = engine.compile_seconds() - c0
-    with dst.open() as f:
-        lines = [json.loads(line) for line in list(f)[1:]]
-    tokens = sorted((r["id"], r["token_ids"]) for r in lines)
+    tokens = sorted((r["id"], r["token_ids"]) for r in jobs.read_output(dst).lines)
     return wall, compile_s, tokens, summary
 
 

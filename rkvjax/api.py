@@ -186,7 +186,8 @@ def engine_for(
         slots = default_slots(model, samples, capacity, window_slots, penalties)
         if slot_cap is not None:
             slots = max(model.data_shards, min(slots, slot_cap))
-    lps = [sp.logprobs for sp in params if sp.logprobs is not None]
+    # At most the vocabulary: a request asking for more is refused by name when submitted.
+    lps = [min(sp.logprobs, model.config.vocab_size) for sp in params if sp.logprobs is not None]
     return runtime.Engine(
         model,
         slots=slots,

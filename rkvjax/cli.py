@@ -11,8 +11,8 @@ from pathlib import Path
 
 import jax
 
-from rkvjax import api, evaluation, jobs, sharding, xla_flags
-from rkvjax.config import METHODS
+from rkvjax import api, evaluation, jobs, requests, sharding, xla_flags
+from rkvjax.config import METHODS, compression_config
 from rkvjax.sampling import SamplingParams
 
 
@@ -20,7 +20,14 @@ def _add_generation_args(
     p: argparse.ArgumentParser,
     n_flags: tuple[str, ...] = ("--n",),
     n_help: str = "samples per prompt",
+    *,
+    sampling: dict | None = None,
+    max_tokens_help: str = "(default: %(default)s)",
 ) -> None:
+    """The model, cache and sampling flags; `sampling` overrides the defaults of temperature,
+    top_p and max_new_tokens (their help shows the parser's own)."""
+    defaults = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": api.DEFAULT_MAX_NEW_TOKENS}
+    defaults.update(sampling or {})
     p.add_argument(
         "--model",
         default=api.DEFAULT_MODEL,
@@ -32,22 +39,28 @@ def _add_generation_args(
         "--max-tokens",
         dest="max_new_tokens",
         type=int,
-        default=api.DEFAULT_MAX_NEW_TOKENS,
-        help="tokens to generate at most per sample (default: %(default)s)",
+        default=defaults["max_new_tokens"],
+        help=f"tokens to generate at most per sample {max_tokens_help}",
     )
     p.add_argument("--method", choices=METHODS, default="rkv")
     p.add_argument(
         "--budget",
-        type=float,
+        type=_budget_arg,
         default=None,
-        help="KV tokens kept per layer/head/row (an int), or a fraction in (0, 1); omit for FullKV",
+        help="KV tokens kept per layer/head/row: an integer, or a fraction in (0, 1] of the "
+        "longest prompt + max tokens written with a point (0.1, 1.0); omit for FullKV",
     )
     p.add_argument("--buffer", type=int, default=128, help="new tokens between compressions")
     p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
     s = p.add_argument_group("sampling (vLLM's SamplingParams; a job's lines may override them)")
     s.add_argument(*n_flags, dest="n", type=int, default=1, help=n_help)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument(
+        "--temperature",
+        type=float,
+        default=defaults["temperature"],
+        help="0 = greedy (default: %(default)s)",
+    )
+    s.add_argument("--top-p", type=float, default=defaults["top_p"], help="(default: %(default)s)")
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--min-p", type=float, default=0.0)
     s.add_argument("--repetition-penalty", type=float, default=1.0)
@@ -137,7 +150,10 @@ def _parser() -> argparse.ArgumentParser:
         help="reasoning evaluation: the R1 recipe over a problem file, graded (resumable)",
     )
     e.add_argument(
-        "data", help="JSONL of problems: `problem` (or `question`), `answer`, optional `id`"
+        "data",
+        help="JSONL of problems (`problem` or `question`, `answer`, optional `id`), or a "
+        "Hugging Face dataset: owner/name (e.g. HuggingFaceH4/MATH-500), fetched once into "
+        "$RKVJAX_HOME/datasets",
     )
     e.add_argument(
         "out_dir", help=f"folder for {evaluation.SAMPLES_FILE} and {evaluation.SUMMARY_FILE}"
@@ -150,11 +166,13 @@ def _parser() -> argparse.ArgumentParser:
         default=evaluation.R1_INSTRUCTION,
         help="appended to each problem (default: %(default)r)",
     )
-    _add_generation_args(e, ("--samples", "--n"), "samples per problem, the k of pass@k")
-    e.set_defaults(
-        temperature=evaluation.R1_SAMPLING["temperature"],
-        top_p=evaluation.R1_SAMPLING["top_p"],
-        max_new_tokens=None,
+    _add_generation_args(
+        e,
+        ("--samples", "--n"),
+        "samples per problem, the k of pass@k",
+        sampling={**evaluation.R1_SAMPLING, "max_new_tokens": None},
+        max_tokens_help=f"(default: what the model's context leaves after the file's longest "
+        f"prompt, at most {evaluation.MAX_TOKENS})",
     )
     m = sub.add_parser("merge", help="join the outputs of a job's shards into one output")
     m.add_argument("output", help="the merged JSONL to write (must not exist)")
@@ -192,17 +210,29 @@ def _add_mesh_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--process-id", type=int, default=None)
 
 
-def _budget(value: float | None) -> int | float | None:
-    if value is None:
-        return None
-    return int(value) if value >= 1 and value == int(value) else value
+def _budget_arg(text: str) -> int | float:
+    """--budget: an integer is tokens, a number with a point (or an exponent) a fraction, as
+    `generate`'s int and float budgets: "1.0" is the whole length, "1" one token."""
+    try:
+        if not any(c in text for c in ".eE"):
+            return int(text)
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes tokens (an integer) or a fraction in (0, 1], got {text!r}"
+        ) from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"a fraction must lie in (0, 1], got {text}; give tokens as an integer"
+        )
+    return value
 
 
 def _cache(args: argparse.Namespace) -> dict:
     """The cache-policy keywords of `generate` / `engine_for` from the flags."""
     return {
         "method": args.method,
-        "budget": _budget(args.budget),
+        "budget": args.budget,
         "buffer": args.buffer,
         "think_only": args.think_only,
     }
@@ -229,12 +259,27 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 
 def _checked_sampling(args: argparse.Namespace, fields: dict | None = None) -> dict:
-    """The sampling flags (or `fields` made of them), checked before anything slow starts."""
+    """The sampling flags (or `fields` made of them), checked before anything slow starts;
+    the cache flags too."""
     fields = _sampling(args) if fields is None else fields
     try:
         SamplingParams(**fields)
     except ValueError as e:
         raise ValueError(f"sampling flags: {e}") from None
+    cache = _cache(args)
+    if cache["method"] == "full" and cache["budget"] is not None:
+        # `generate(method="full", budget=...)` is FullKV by contract; a flag typed for nothing
+        # is refused instead.
+        raise ValueError(
+            f"cache flags: --method full keeps every token and takes no --budget (got "
+            f"{cache['budget']}); drop --budget, or pick a compressing method"
+        )
+    try:  # the lengths only resolve a fractional budget, which is checked again with the model
+        compression_config(
+            cache["method"], cache["budget"], prompt_len=1, max_new_tokens=1, buffer=cache["buffer"]
+        )
+    except ValueError as e:
+        raise ValueError(f"cache flags: {e}") from None
     return fields
 
 
@@ -244,6 +289,8 @@ def _progress(args) -> bool:
 
 def _generate(args: argparse.Namespace) -> int:
     fields = _checked_sampling(args)
+    for i, prompt in enumerate(args.prompts):  # before the model loads
+        requests.check_text(prompt, f"prompt {i}")
     t0 = time.perf_counter()
     model = _load(args)
     load_s = time.perf_counter() - t0
@@ -359,11 +406,12 @@ def _eval(args: argparse.Namespace) -> int:
     if fields["max_tokens"] is None:  # the recipe's length, fitted to the model once loaded
         del fields["max_tokens"]
     _checked_sampling(args, fields)
-    evaluation.read_problems(args.data, args.limit)  # bad lines fail before the model loads
+    data = evaluation.problem_file(args.data)  # a Hub dataset: fetched once, then cached
+    evaluation.read_problems(data, args.limit)  # bad lines fail before the model loads
     model = _load(args)
     summary = evaluation.run_eval(
         model,
-        args.data,
+        data,
         args.out_dir,
         limit=args.limit,
         samples=fields.pop("n"),
@@ -392,7 +440,8 @@ def _eval_line(summary: dict, out_dir) -> str:
 
     tokens = summary["mean_generated_tokens"]
     return (
-        f"[rkvjax] eval {policy}: pass@1 {pct(summary['pass@1'])}"
+        f"[rkvjax] eval {policy}: pass@1 {pct(summary['pass@1'])} (boxed answers only "
+        f"{pct(summary['pass@1_boxed'])})"
         + (f", pass@{k} {pct(summary['pass@k'])}" if k > 1 else "")
         + f" over {summary['problems']} problems x {k} samples"
         + (

@@ -12,6 +12,12 @@ import numpy as np
 from rkvjax.sampling import SamplingParams
 
 MIN_BUCKET = 16
+# A chat message: its role, its text, and an assistant turn's reasoning (which templates of
+# reasoning models render or drop). Anything else (`name`, tool calls, ...) is refused, not
+# silently dropped by a template that never reads it.
+MESSAGE_KEYS = ("role", "content", "reasoning_content")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_TEMPLATE_ROLES = ("tool",)  # roles a chat template must name to accept them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +112,91 @@ def split_prompts(prompts) -> tuple[list, bool]:
     return list(prompts), False
 
 
+def check_unicode(text: str, where: str) -> None:
+    """Raises ValueError naming `where` for text that is not valid Unicode (a lone surrogate,
+    as JSON's "\\ud800" or an undecodable command-line byte gives)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where}: not valid Unicode text: a lone surrogate (U+{ord(text[e.start]):04X}) at "
+            f"character {e.start}"
+        ) from None
+
+
+def check_text(prompt: str, where: str) -> None:
+    """A text prompt: not empty, valid Unicode."""
+    if not prompt:
+        raise ValueError(f"{where}: the prompt text is empty")
+    check_unicode(prompt, where)
+
+
+def check_strings(value: Any, where: str) -> None:
+    """`check_unicode` on every string (keys too) of a JSON value."""
+    if isinstance(value, str):
+        check_unicode(value, where)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            check_strings(k, where)
+            check_strings(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            check_strings(v, where)
+
+
+def check_messages(messages: Any, where: str, field: str = "chat") -> None:
+    """A chat: a non-empty list of messages, each {"role": ..., "content": ...} (and an
+    assistant's optional "reasoning_content") with string values (keys set to null count as
+    absent), its role one of CHAT_ROLES.
+
+    Raises:
+      ValueError: naming `where`, the message (`field[i]`) and what is wrong.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f'{where}: `{field}` must be a non-empty list of {{"role": ..., "content": ...}} '
+            "messages"
+        )
+    for i, m in enumerate(messages):
+        at = f"{where}: {field}[{i}]"
+        if not isinstance(m, Mapping):
+            raise ValueError(f'{at} must be a {{"role": ..., "content": ...}} object')
+        m = {k: v for k, v in m.items() if v is not None}  # as the template gets it
+        extra = [k for k in m if k not in MESSAGE_KEYS]
+        if extra:
+            raise ValueError(
+                f"{at}: unknown key(s) {', '.join(map(repr, extra))}; a message holds "
+                f"{', '.join(MESSAGE_KEYS[:2])} (and an assistant's reasoning_content)"
+            )
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"{at} has no `{key}`")
+        for key, value in m.items():
+            if not isinstance(value, str):
+                raise ValueError(f"{at}: `{key}` must be a string, got {type(value).__name__}")
+            check_unicode(value, f"{at} `{key}`")
+        role = m["role"]
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{at}: unknown role {role!r} (roles: {', '.join(CHAT_ROLES)})")
+
+
+def _check_template_roles(messages: Sequence[Mapping], where: str, template: str) -> None:
+    """Roles only some templates render (a "tool" message) need a template that names them."""
+    for i, m in enumerate(messages):
+        if m["role"] in _TEMPLATE_ROLES and m["role"] not in template:
+            raise ValueError(
+                f"{where}: chat[{i}]: role {m['role']!r}, which this model's chat template "
+                "never uses"
+            )
+
+
 def encode(tokenizer, prompt, chat: bool | None, where: str = "prompt") -> list[int]:
     """One prompt -> token ids. Text gets the chat template when the tokenizer has one (unless
     `chat` is False); a chat always does.
 
     Raises:
-      ValueError: for anything else, naming `where`.
+      ValueError: for anything else (an empty text, invalid Unicode, a malformed chat or one
+        the template refuses), naming `where`.
     """
     if _is_ids(prompt):
         return [int(t) for t in prompt]
@@ -120,6 +205,10 @@ def encode(tokenizer, prompt, chat: bool | None, where: str = "prompt") -> list[
             f"{where}: expected a str, a list of token ids or a chat (list of messages), got "
             f"{type(prompt).__name__}"
         )
+    if isinstance(prompt, str):
+        check_text(prompt, where)
+    else:
+        check_messages(list(prompt), where)
     if tokenizer is None:
         raise ValueError(f"{where}: the model has no tokenizer.json: pass token ids instead")
     if isinstance(prompt, str):
@@ -129,7 +218,15 @@ def encode(tokenizer, prompt, chat: bool | None, where: str = "prompt") -> list[
         prompt = [{"role": "user", "content": prompt}]
     if not tokenizer.has_chat_template:
         raise ValueError(f"{where}: a chat needs a chat template, and {tokenizer.name} has none")
-    return tokenizer.chat_ids(list(prompt))
+    _check_template_roles(prompt, where, tokenizer.chat_template_source)
+    import jinja2
+
+    try:
+        return tokenizer.chat_ids(list(prompt))
+    except jinja2.TemplateError as e:  # e.g. `raise_exception("System role not supported")`
+        raise ValueError(
+            f"{where}: the chat template of {tokenizer.name} refuses this chat: {e}"
+        ) from None
 
 
 def validate_ids(

@@ -118,6 +118,27 @@ def _draw_seeds(count: int) -> list[int]:
     return [int(s) for s in seeds]
 
 
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _sample_indices(subset, n: int, rid) -> tuple[int, ...]:
+    """The sample indices a request runs: `subset` (distinct, in [0, n)), or all n."""
+    if subset is None:
+        return tuple(range(n))
+    idx = tuple(subset)
+    ok = all(isinstance(j, (int, np.integer)) and not isinstance(j, bool) for j in idx)
+    if not idx or not ok or len(set(idx)) != len(idx) or not all(0 <= j < n for j in idx):
+        raise ValueError(
+            f"request {rid!r}: samples must be distinct sample indices in [0, {n}), got {subset!r}"
+        )
+    return tuple(int(j) for j in idx)
+
+
 class Engine:
     """Continuous batching over a fixed number of slots.
 
@@ -181,6 +202,11 @@ class Engine:
         for name, value, low in checks:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if logprobs is not None and logprobs > model.config.vocab_size:
+            raise ValueError(
+                f"logprobs={logprobs} is more tokens than the vocabulary's "
+                f"{model.config.vocab_size}"
+            )
         cc = cache if cache is not None else CompressionConfig()
         if not isinstance(cc, CompressionConfig):
             raise ValueError(f"cache must be a CompressionConfig, got {type(cc).__name__}")
@@ -258,7 +284,9 @@ class Engine:
             [prompt], [sampling], ids=[request_id], continuations=[continuation]
         )[0]
 
-    def submit_many(self, prompts, sampling=None, *, ids=None, continuations=None) -> list:
+    def submit_many(
+        self, prompts, sampling=None, *, ids=None, continuations=None, samples=None
+    ) -> list:
         """`submit` for several requests at once, all validated before any is queued.
 
         Args:
@@ -266,6 +294,9 @@ class Engine:
           sampling: one SamplingParams for all, or one per prompt (default: greedy).
           ids: one request id per prompt (None entries: running numbers).
           continuations: teacher mode: one continuation per prompt.
+          samples: one sequence of sample indices per prompt, a subset of range(n), to run
+            only those of its n samples (None entries: all n). A sample's tokens depend only on
+            its seed and index, so a resumed job runs just the samples it lacks.
 
         Returns:
           The request ids.
@@ -276,33 +307,38 @@ class Engine:
             sampling = [sampling] * n
         ids = list(ids) if ids is not None else [None] * n
         conts = list(continuations) if continuations is not None else [None] * n
+        subsets = list(samples) if samples is not None else [None] * n
         params = list(sampling)
-        if not len(ids) == len(conts) == len(params) == n:
+        if not len(ids) == len(conts) == len(params) == len(subsets) == n:
             raise ValueError(
-                f"{n} prompts need one sampling setting, id and continuation each (got "
-                f"{len(params)}, {len(ids)} and {len(conts)})"
+                f"{n} prompts need one sampling setting, id, continuation and sample subset "
+                f"each (got {len(params)}, {len(ids)}, {len(conts)} and {len(subsets)})"
             )
-        taken = set(self._live) | {rid for rid in ids if rid is not None}
-        made = []
-        for prompt, sp, rid, cont in zip(prompts, params, ids, conts, strict=True):
+        taken = set(self._live) | {rid for rid in ids if _hashable(rid) and rid is not None}
+        made, indices = [], []
+        for prompt, sp, rid, cont, subset in zip(prompts, params, ids, conts, subsets, strict=True):
             if rid is None:
                 while self._next_id in taken:
                     self._next_id += 1
                 rid = self._next_id
                 taken.add(rid)
+            elif not _hashable(rid):
+                raise ValueError(
+                    f"request id {rid!r} is not hashable: use a str, an int or a tuple of them"
+                )
             elif rid in self._live or any(r.id == rid for r in made):
                 raise ValueError(f"request id {rid!r} is already queued or running")
             made.append(self._request(prompt, sp or SamplingParams(temperature=0.0), rid, cont))
+            indices.append(_sample_indices(subset, made[-1].sampling.n, rid))
         seeds = _draw_seeds(sum(r.sampling.seed is None for r in made))
         now, comp = time.perf_counter(), engine.compile_seconds()
-        for r in made:
+        for r, idx in zip(made, indices, strict=True):
             if r.sampling.seed is None:
                 r = dataclasses.replace(r, sampling=r.sampling.replace(seed=seeds.pop()))
-            samples = [_Sample(r, j, now, comp, self._watcher(r)) for j in range(r.sampling.n)]
-            self._queue.append(_Pending(samples))
+            self._queue.append(_Pending([_Sample(r, j, now, comp, self._watcher(r)) for j in idx]))
         self._counters["submitted"] += n
-        self._counters["samples"] += sum(r.sampling.n for r in made)
-        self._live.update((r.id, r.sampling.n) for r in made)
+        self._counters["samples"] += sum(map(len, indices))
+        self._live.update((r.id, len(idx)) for r, idx in zip(made, indices, strict=True))
         return [r.id for r in made]
 
     def check(self, prompt, sampling: SamplingParams | None = None, *, where: str = "request"):
@@ -355,6 +391,11 @@ class Engine:
                 f"{len(ids) + req.max_tokens - 1} FullKV cache slots; this engine has "
                 f"max_len={self.capacity}"
             )
+        if sp.logprobs is not None and sp.logprobs > cfg.vocab_size:
+            raise ValueError(
+                f"{where}: logprobs={sp.logprobs} asks for more tokens than the vocabulary's "
+                f"{cfg.vocab_size}"
+            )
         if sp.logprobs is not None and (
             self.plan.sampler.logprobs is None or sp.logprobs > self.plan.sampler.logprobs
         ):
@@ -368,6 +409,8 @@ class Engine:
             return req  # teacher forcing: nothing is sampled or stopped
         if sp.stop and model.tokenizer is None:
             raise ValueError(f"{where}: stop strings need a tokenizer; use stop_token_ids")
+        for text in sp.stop:
+            requests.check_unicode(text, f"{where}: stop string")
         self._stop_ids(sp, where)  # checks the ids against the vocabulary
         stop_ids = sp.min_tokens_stop_ids(model.eos_token_ids)
         if len(stop_ids) > self._stop_width:

@@ -157,6 +157,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """The text of the chat template(s), for checks of what a template handles."""
+        template = self._chat_template
+        return "\n".join(template.values()) if isinstance(template, dict) else template
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -160,6 +160,87 @@ def test_bad_prompts(model, prompts, match):
         rkvjax.generate(model, prompts, max_new_tokens=2)
 
 
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        ("", {}, "prompt 0: the prompt text is empty"),
+        (["\ud800"], {}, "prompt 0: not valid Unicode text: a lone surrogate \\(U\\+D800\\)"),
+        (
+            [1, 2, 3],
+            dict(sampling=rkvjax.SamplingParams(logprobs=98)),
+            "request 0: logprobs=98 asks for more tokens than the vocabulary's 97",
+        ),
+        (
+            [{"role": "user", "content": "x", "name": "al"}],
+            {},
+            "prompt 0: chat\\[0\\]: unknown key\\(s\\) 'name'",
+        ),
+        ([{"role": "wizard", "content": "x"}], {}, "prompt 0: chat\\[0\\]: unknown role 'wizard'"),
+        ([{"role": "user"}], {}, "prompt 0: chat\\[0\\] has no `content`"),
+    ],
+)
+def test_bad_input_is_refused_before_work(model, prompts, kwargs, match):
+    kwargs.setdefault("sampling", rkvjax.SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=match):
+        rkvjax.generate(model, prompts, **kwargs)
+
+
+def test_request_ids_must_be_hashable(model):
+    engine = rkvjax.Engine(model, slots=1, cache=rkvjax.compression_config("rkv", 16))
+    with pytest.raises(ValueError, match=r"request id \['x'\] is not hashable"):
+        engine.submit([1, 2, 3, 4, 5, 6, 7, 8, 9], request_id=["x"])
+    with pytest.raises(ValueError, match=r"samples must be distinct sample indices in \[0, 2\)"):
+        engine.submit_many([[1] * 9], rkvjax.SamplingParams(n=2), samples=[[0, 2]])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--method", "full", "--budget", "64"], "cache flags: --method full keeps every token"),
+        (["--budget", "1"], "cache flags: budget (1) must be larger than window (8)"),
+        (["--budget", "4"], "cache flags: budget (4) must be larger than window (8)"),
+        (["--logprobs", "-1"], "sampling flags: logprobs"),
+    ],
+)
+def test_cli_refuses_bad_flags_before_loading(tmp_path, capsys, flags, message):
+    argv = ["generate", "hello", "--model", str(tmp_path / "no-model"), *flags]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"rkvjax: error: {message}" + err.split(message, 1)[1] and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [("", "prompt 0: the prompt text is empty"), ("\udcff", "prompt 0: not valid Unicode")],
+)
+def test_cli_refuses_bad_prompts_before_loading(tmp_path, capsys, prompt, message):
+    """An empty prompt (batch refuses one too), and bytes that are not UTF-8 (Python passes
+    them on as lone surrogates)."""
+    assert cli.main(["generate", prompt, "--model", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rkvjax: error: {message}") and err.count("\n") == 1
+
+
+def test_cli_budget_reads_a_point_as_a_fraction():
+    """One rule with `generate`'s: 1.0 is the whole length (a float), 1 is one token."""
+    parse = cli._parser().parse_args
+    assert parse(["generate", "x", "--budget", "1.0"]).budget == 1.0
+    assert isinstance(parse(["generate", "x", "--budget", "0.1"]).budget, float)
+    assert parse(["generate", "x", "--budget", "256"]).budget == 256
+    assert isinstance(parse(["generate", "x", "--budget", "256"]).budget, int)
+    for bad in ("256.0", "0.0", "-0.5", "x"):
+        with pytest.raises(SystemExit):
+            parse(["generate", "x", "--budget", bad])
+
+
+def test_cli_eval_help_gives_its_own_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "0 = greedy (default: 0.6)" in text and "--top-p TOP_P (default: 0.95)" in text
+    assert cli._parser().parse_args(["eval", "d", "o"]).temperature == 0.6
+
+
 def test_bad_logits_and_load_arguments(model, folder):
     with pytest.raises(ValueError, match="equal lengths"):
         rkvjax.logits(model, [[1, 2], [3]])

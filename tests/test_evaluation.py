@@ -6,11 +6,13 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import types
+from pathlib import Path
 
 import pytest
 
 from rkvjax import cli, evaluation, jobs
-from rkvjax.evaluation import grading, metrics
+from rkvjax.evaluation import grading, hub, metrics
 
 # (reference, completion, correct): the pairs a MATH grader must get right.
 GRADES = [
@@ -63,6 +65,66 @@ def test_extracted_answer_text():
     assert not grading.is_equivalent("\\frac{1}{2}", "0.6")
 
 
+@pytest.mark.parametrize(
+    ("text", "gold", "truncated", "answer", "source", "correct"),
+    [
+        # An echoed problem, cut off at max_tokens: no answer, wrong (math-verify would
+        # evaluate "2 + 2" to 4, and once did).
+        ("2 + 2", "4", True, None, None, False),
+        ("We need to compute $\\dbinom{31}{28}$. Let", "4495", True, None, None, False),
+        # Ended by itself: the harness's last-number fallback reads 2 and 28.
+        ("2 + 2", "4", False, "2", "last_number", False),
+        ("We need to compute $\\dbinom{31}{28}$. Let", "4495", False, "28", "last_number", False),
+        ("So 2 + 2 = 4", "4", False, "4", "last_number", True),
+        ("So 2 + 2 = 4", "4", True, None, None, False),
+        # A stated answer, to the end of its sentence; thousands separators read as one number.
+        ("The answer is 12. Then we check 7.", "12", False, "12", "phrase", True),
+        ("The final answer is 32,348.", "32348", False, "32,348", "phrase", True),
+        ("The answer is:\n\n$\\frac{1}{2}$", "0.5", False, "$\\frac{1}{2}$", "phrase", True),
+        ("The answer is 12. Then", "12", True, None, None, False),
+        # A box counts even in a sample cut off after it; the last box wins.
+        ("so $\\boxed{4495}$. Let me check: 31 choose", "4495", True, "4495", "boxed", True),
+        ("\\boxed{3} or maybe \\boxed{5}", "3", False, "5", "boxed", False),
+    ],
+)
+def test_a_sample_without_a_final_answer_is_never_correct(
+    text, gold, truncated, answer, source, correct
+):
+    g = grading.grade(text, gold, truncated=truncated)
+    assert (g.answer, g.source, g.correct) == (answer, source, correct)
+
+
+class _Echoes(jobs.Runner):
+    """Stands in for the engine: every sample echoes "2 + 2" and is cut off at max_tokens."""
+
+    model_name = "stub"
+
+    def __init__(self, model, *, cache, slots):
+        pass
+
+    def run(self, reqs):
+        for r in reqs:
+            for j in r.sample_indices:
+                rec = {"sample_index": j, "text": "2 + 2", "finish_reason": "length"}
+                rec.update(prompt_tokens=5, completion_tokens=4, compressions=0)
+                rec.update(peak_cache_slots=9, stalled_steps=0, time_to_first_token_s=0.0)
+                yield r, {**rec, "token_ids": [17, 1009, 17, 1009]}
+
+
+def test_eval_never_credits_an_echoed_problem(tmp_path, monkeypatch):
+    """`rkvjax eval` on "What is 2+2?" whose sample echoes "2 + 2" until max_tokens: no answer,
+    pass@1 0 (it was 100%: math-verify read the echo as an expression worth 4)."""
+    data = _write(tmp_path / "p.jsonl", [{"problem": "What is 2+2?", "answer": "4"}])
+    monkeypatch.setattr(jobs, "EngineRunner", _Echoes)
+    out = tmp_path / "out"
+    summary = evaluation.run_eval(
+        types.SimpleNamespace(path=tmp_path), data, out, sampling={"max_tokens": 4}, progress=False
+    )
+    assert (summary["pass@1"], summary["pass@1_boxed"], summary["answered_samples"]) == (0, 0, 0)
+    [line] = evaluation.read_samples(out / "samples.jsonl")
+    assert (line["extracted_answer"], line["answer_source"], line["correct"]) == (None, None, False)
+
+
 def _brute_pass_at_k(flags: list[bool], k: int) -> float:
     """The share of k-subsets of the samples that hold a correct one, counted."""
     subsets = list(itertools.combinations(range(len(flags)), k))
@@ -103,9 +165,15 @@ def test_summary_scores_complete_problems():
     ]
     for line in lines:
         line.update(finish_reason="length", extracted_answer="1", repetition=0.5)
+        line["answer_source"] = "boxed" if line["completion_tokens"] == 10 else "last_number"
+    lines[1]["answer_source"] = None
     s = metrics.summarize(lines, problems, samples=2)
     assert (s["problems"], s["incomplete_problems"], s["samples"]) == (2, 1, 4)
     assert s["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert s["pass@1_boxed"] == pytest.approx((0.5 + 0.0) / 2)
+    assert s["answer_sources"] == {"boxed": 1, "none": 1, "last_number": 2}
+    lines[0]["answer_source"] = "phrase"  # right, but not boxed
+    assert metrics.summarize(lines, problems, samples=2)["pass@1_boxed"] == 0.0
     assert s["pass@k"] == pytest.approx((1.0 + 0.0) / 2)
     assert s["mean_generated_tokens"] == 25
     assert s["mean_compressions"] == 1
@@ -126,6 +194,9 @@ def _write(path, rows):
         ({"problem": "", "answer": "1"}, ":2: `problem` must be a non-empty string"),
         ({"problem": "x", "answer": ["1"]}, ":2: `answer` must be a string or a number"),
         ({"id": 7, "problem": "x", "answer": "1"}, ":2: duplicate id 7 \\(line 1 has it\\)"),
+        ({"problem": "x", "question": "y", "answer": "1"}, ":2: has `problem` and `question` wi"),
+        ('{"problem": "\\ud83d", "answer": "1"}', ":2: not valid Unicode text: a lone surrogate"),
+        ('{"id": "\\ud83d", "problem": "x", "answer": "1"}', ":2: not valid Unicode text"),
     ],
 )
 def test_bad_problem_lines_name_the_line(tmp_path, row, message):
@@ -200,7 +271,8 @@ def test_eval_end_to_end_resumes_after_a_kill(
     problems = {p.id: p for p in evaluation.read_problems(data, 3)}
     for s in want.values():
         assert s["answer"] == problems[s["id"]].answer
-        assert s["correct"] == grading.grade(s["text"], s["answer"]).correct
+        truncated = s["finish_reason"] == "length"
+        assert s["correct"] == grading.grade(s["text"], s["answer"], truncated=truncated).correct
         assert 0.0 <= s["repetition"] <= 1.0
     header = json.loads((whole / "samples.jsonl").read_text().splitlines()[0])["settings"]
     assert (header["temperature"], header["top_p"], header["n"]) == (0.6, 0.95, 2)
@@ -209,11 +281,11 @@ def test_eval_end_to_end_resumes_after_a_kill(
     cut = tmp_path / "rkv_cut"
     real, calls = grading.grade, []
 
-    def grade_then_stop(text, gold):
+    def grade_then_stop(text, gold, **kw):
         if len(calls) == 3:
             raise KeyboardInterrupt
         calls.append(text)
-        return real(text, gold)
+        return real(text, gold, **kw)
 
     kw = dict(
         limit=3,
@@ -297,3 +369,103 @@ def test_cli_eval_checks_its_input_before_loading_the_model(tmp_path, capsys, fl
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not out.exists()
+
+
+# -- problem files named by a Hub dataset (the Hub itself is never reached in tests) ----------
+
+
+def test_hub_names_are_told_from_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "owner").mkdir()
+    (tmp_path / "owner" / "local").write_text("{}\n")
+    assert hub.parse_name("HuggingFaceH4/MATH-500") == ("HuggingFaceH4/MATH-500", None)
+    assert hub.parse_name("hf://datasets/a/b/data/t.parquet") == ("a/b", "data/t.parquet")
+    for local in ("owner/local", "math.jsonl", "runs/x.jsonl", "./a/b", "/a/b", "a/b/c"):
+        assert hub.parse_name(local) is None, local
+        assert evaluation.problem_file(local) == Path(local)
+
+
+def _fake_hub(monkeypatch, files: dict, calls: list):
+    """The hub library's two calls, serving `files` (repo path -> bytes) of one dataset."""
+    import huggingface_hub
+
+    def list_repo_files(repo, *, repo_type):
+        calls.append(("list", repo, repo_type))
+        return sorted(files)
+
+    def hf_hub_download(repo, file, *, repo_type, local_dir):
+        calls.append(("download", repo, file))
+        path = Path(local_dir) / file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(files[file])
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+
+
+def _offline(monkeypatch):
+    import huggingface_hub
+
+    def fail(*args, **kw):
+        raise ConnectionError("Failed to resolve 'huggingface.co'")
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", fail)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
+
+
+def test_a_hub_dataset_is_fetched_once_then_read_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("RKVJAX_HOME", str(tmp_path / "home"))
+    rows = [{"problem": "What is 2+2?", "answer": "4", "unique_id": "a"}]
+    calls = []
+    _fake_hub(monkeypatch, {"README.md": b"", "test.jsonl": _jsonl(rows)}, calls)
+    path = evaluation.problem_file("HuggingFaceH4/MATH-500")
+    assert path == tmp_path / "home" / "datasets" / "HuggingFaceH4--MATH-500" / "test.jsonl"
+    assert [p.answer for p in evaluation.read_problems(path)] == ["4"]
+    assert calls == [
+        ("list", "HuggingFaceH4/MATH-500", "dataset"),
+        ("download", "HuggingFaceH4/MATH-500", "test.jsonl"),
+    ]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["test.jsonl"]  # no leftovers
+    _offline(monkeypatch)
+    assert evaluation.problem_file("HuggingFaceH4/MATH-500") == path  # from the cache
+    with pytest.raises(ValueError) as e:
+        evaluation.problem_file("HuggingFaceH4/aime_2024")
+    assert str(e.value) == (
+        "HuggingFaceH4/aime_2024: no such local file, and fetching the dataset from the Hugging "
+        "Face Hub failed (Failed to resolve 'huggingface.co'); download its JSONL file and pass "
+        "that file's path"
+    )
+
+
+def test_a_parquet_hub_dataset_becomes_jsonl(tmp_path, monkeypatch):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import io
+
+    import pyarrow
+
+    monkeypatch.setenv("RKVJAX_HOME", str(tmp_path / "home"))
+    table = pyarrow.table({"id": [60, 61], "problem": ["p", "q"], "answer": ["204", "25"]})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    files = {"data/train-00000-of-00001.parquet": buf.getvalue(), ".gitattributes": b""}
+    _fake_hub(monkeypatch, files, [])
+    path = evaluation.problem_file("HuggingFaceH4/aime_2024")
+    assert path.name == "data--train-00000-of-00001.jsonl"
+    assert [(p.id, p.answer) for p in evaluation.read_problems(path)] == [(60, "204"), (61, "25")]
+
+
+def test_a_hub_dataset_with_several_files_asks_for_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("RKVJAX_HOME", str(tmp_path / "home"))
+    rows = _jsonl([{"problem": "p", "answer": "1"}])
+    _fake_hub(monkeypatch, {"train.jsonl": rows, "test.jsonl": rows}, [])
+    with pytest.raises(ValueError, match=r"several data files \(test\.jsonl, train\.jsonl\); name"):
+        evaluation.problem_file("o/d")
+    assert evaluation.problem_file("hf://datasets/o/d/train.jsonl").name == "train.jsonl"
+    _fake_hub(monkeypatch, {"README.md": b""}, [])
+    with pytest.raises(ValueError, match="holds no JSONL or Parquet file"):
+        evaluation.problem_file("o/e")
+
+
+def _jsonl(rows) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()

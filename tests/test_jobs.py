@@ -21,7 +21,8 @@ from rkvjax import cli, jobs
 from rkvjax.jobs import openai_batch, output
 
 ROOT = Path(__file__).resolve().parents[1]
-_HEADER = b'{"rkvjax_job": 2, "settings": {}}\n'  # a job header: this format, no settings
+# a job header: this format, no settings
+_HEADER = json.dumps({jobs.HEADER_KEY: jobs.FORMAT_VERSION, "settings": {}}).encode() + b"\n"
 
 
 def _write_jsonl(path, rows):
@@ -29,10 +30,24 @@ def _write_jsonl(path, rows):
 
 
 def _read_results(path):
-    """The result lines of a job output, after checking its header."""
+    """The result lines of a job output, after checking its header (the end line of a finished
+    job left out)."""
     header, *lines = path.read_text().splitlines()
     assert json.loads(header)[jobs.HEADER_KEY] == jobs.FORMAT_VERSION
-    return [json.loads(line) for line in lines]
+    rows = [json.loads(line) for line in lines]
+    return rows[:-1] if rows and jobs.END_KEY in rows[-1] else rows
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _end(path):
+    """The end line's fields of a job output (None when its last line is not one)."""
+    last = json.loads(path.read_text().splitlines()[-1])
+    return last.get(jobs.END_KEY)
 
 
 def _settings(path):
@@ -59,7 +74,7 @@ class _Echo(jobs.Runner):
 
     def run(self, reqs):
         for r in reqs:
-            for j in range(r.n):
+            for j in r.sample_indices:
                 if self.crash_after is not None and len(self.seen) == self.crash_after:
                     raise _Crash
                 self.seen.append((r.id, j))
@@ -153,6 +168,17 @@ def test_cli_batch_refuses_other_settings_and_checks_rows_before_work(tiny, tmp_
     err = capsys.readouterr().err
     assert f"{src}:3 (id 'oov'): token id(s) [{config.vocab_size}] outside the vocabulary" in err
     assert dst.read_bytes() == before
+    # More logprobs than the vocabulary: the line is named before the output exists.
+    v = config.vocab_size
+    _write_jsonl(src, [rows[0], {"id": "lp", "prompt_token_ids": [4], "logprobs": v + 1}])
+    fresh = tmp_path / "fresh.jsonl"
+    assert cli.main(["batch", str(src), str(fresh), *argv[3:], "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"rkvjax: error: {src}:2 (id 'lp'): logprobs={v + 1} asks for more tokens than the "
+        f"vocabulary's {v}\n"
+    )
+    assert not fresh.exists() and not jobs.summary_path(fresh).exists()
 
 
 def test_engine_job_honours_per_request_settings(tiny, tmp_path):
@@ -313,6 +339,26 @@ def test_engine_job_killed_mid_run_resumes_to_the_uninterrupted_result(tiny, tmp
     assert _timeless(got) == _timeless(want)
 
 
+def test_engine_job_raising_n_decodes_only_the_new_samples(tiny, tmp_path):
+    """n 2 -> 3 on a rerun decodes the one new sample (seeds depend on the sample index), and
+    it equals the third sample of a job that asked for 3 at once."""
+    row = {"id": "a", "prompt_token_ids": [3, *range(5, 14)], "temperature": 0.8, "seed": 3}
+    src = tmp_path / "in.jsonl"
+    flags = ["--model", str(tiny), "--max-new-tokens", "8", "--ignore-eos", "--token-ids"]
+    flags += ["--no-progress"]
+    whole, dst = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{**row, "n": 3}])
+    assert cli.main(["batch", str(src), str(whole), *flags]) == 0
+    _write_jsonl(src, [{**row, "n": 2}])
+    assert cli.main(["batch", str(src), str(dst), *flags]) == 0
+    _write_jsonl(src, [{**row, "n": 3}])
+    assert cli.main(["batch", str(src), str(dst), *flags]) == 0
+    summary = json.loads(jobs.summary_path(dst).read_text())
+    assert (summary["samples_written"], summary["samples_already_done"]) == (1, 2)
+    assert (summary["runtime"]["samples"], summary["runtime"]["generated_tokens"]) == (1, 8)
+    assert _timeless(_read_results(dst)) == _timeless(_read_results(whole))
+
+
 # -- the file: resume, crashes and kills -----------------------------------------------------
 
 
@@ -350,8 +396,10 @@ def test_rerun_writes_only_the_missing_samples_of_a_request(tmp_path):
     with pytest.raises(_Crash):
         _run(_Echo(crash_after=1), src, dst)
     assert [(r["id"], r["sample_index"]) for r in _read_results(dst)] == [("a", 0)]
-    summary = _run(_Echo(), src, dst)
+    echo = _Echo()
+    summary = _run(echo, src, dst)
     assert summary["samples_written"] == 3 and summary["samples_already_done"] == 1
+    assert echo.seen == [("a", 1), ("a", 2), ("b", 0)]  # only the samples not written
     got = [(r["id"], r["sample_index"]) for r in _read_results(dst)]
     assert sorted(got) == [("a", 0), ("a", 1), ("a", 2), ("b", 0)] and len(got) == 4
 
@@ -480,6 +528,8 @@ def test_summary_is_written_beside_the_output_and_never_over_a_foreign_file(tmp_
     summary = _run(_Echo(), src, dst)
     path = tmp_path / "out.summary.json"
     assert jobs.summary_path(dst) == path
+    # As readable as the results beside it (a private temporary file once made it 0600).
+    assert path.stat().st_mode & 0o777 == dst.stat().st_mode & 0o777 == 0o666 & ~_umask()
     on_disk = json.loads(path.read_text())
     assert on_disk["samples_written"] == summary["samples_written"] == 2
     assert on_disk["generated_tokens"] == 256 + 3 and on_disk["finish_reasons"] == {"length": 2}
@@ -660,7 +710,25 @@ def test_openai_chat_output_shape(tmp_path):
         ('{"id": 7}', "needs `prompt` \\(text\\), `messages` \\(a chat\\) or `prompt_token_ids`"),
         ('{"prompt": 5}', "`prompt` must be a non-empty string, got 5"),
         ('{"prompt": ""}', "`prompt` must be a non-empty string"),
-        ('{"messages": [{"content": "x"}]}', "`messages` must be a non-empty list"),
+        ('{"messages": []}', "`messages` must be a non-empty list"),
+        ('{"messages": [{"content": "x"}]}', "messages\\[0\\] has no `role`"),
+        ('{"messages": [{"role": "user"}]}', "messages\\[0\\] has no `content`"),
+        ('{"messages": [{"role": "user", "contnet": "x"}]}', "messages\\[0\\]: unknown key"),
+        (
+            '{"messages": [{"role": "user", "content": "x", "name": "al"}]}',
+            "messages\\[0\\]: unknown key\\(s\\) 'name'",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}',
+            "messages\\[1\\]: unknown role 'wizard' \\(roles: system, user, assistant, tool\\)",
+        ),
+        ('{"messages": [{"role": "user", "content": ["x"]}]}', "messages\\[0\\]: `content` must"),
+        ('{"prompt": "\\ud800"}', "not valid Unicode text: a lone surrogate \\(U\\+D800\\)"),
+        (
+            '{"id": "\\udfff", "prompt": "x"}',
+            "not valid Unicode text: a lone surrogate \\(U\\+DFFF",
+        ),
+        ('{"prompt": "x", "stop": ["\\ud800"]}', "not valid Unicode text"),
         ('{"prompt_token_ids": [1, "2"]}', "`prompt_token_ids` must be a non-empty list of ints"),
         ('{"prompt_token_ids": [true]}', "`prompt_token_ids` must be a non-empty list of ints"),
         ('{"prompt_token_ids": []}', "`prompt_token_ids` must be a non-empty list of ints"),
@@ -693,6 +761,11 @@ def test_bad_line_is_rejected_before_work(tmp_path, line, match):
         (_openai(max_tokens=3, max_completion_tokens=3), "body has `max_tokens` and `max_com"),
         (_openai(top_logprobs=2), "body `top_logprobs` needs `logprobs"),
         (_openai(messages="hi"), "`messages` must be a non-empty list"),
+        (
+            _openai(messages=[{"role": "user", "content": "x", "name": "a"}]),
+            "messages\\[0\\]: unknown key",
+        ),
+        (_openai(messages=[{"role": "user"}]), "messages\\[0\\] has no `content`"),
         (_openai(url="/v1/completions"), "body field\\(s\\) 'messages' not supported for /v1/c"),
         (
             {"custom_id": "e", "url": "/v1/completions", "body": {"prompt": ""}},
@@ -728,7 +801,7 @@ def test_check_runs_on_every_request_before_work(tmp_path):
     with pytest.raises(ValueError) as e:
         _run(Checked(), src, dst)
     assert str(e.value) == f"{src}:2 (id 'x'): too many tokens (1 more line fails too)"
-    assert _read_results(dst) == []
+    assert not dst.exists()  # checked before the output is created
 
 
 @pytest.mark.parametrize(
@@ -831,6 +904,7 @@ def test_shards_merge_into_the_whole_job(tmp_path, capsys):
     key = _key
     assert sorted(_read_results(merged), key=key) == sorted(_read_results(whole), key=key)
     assert _settings(merged) == _settings(whole)
+    assert _end(merged) == _end(whole) and _end(whole)["samples"] == 30
     with pytest.raises(FileExistsError, match="exists; merge writes a new file"):
         jobs.merge(merged, parts)
     with pytest.raises(ValueError, match="shards 2/3 missing"):
@@ -844,6 +918,93 @@ def test_shards_merge_into_the_whole_job(tmp_path, capsys):
     with pytest.raises(ValueError, match="not a shard output"):
         jobs.merge(tmp_path / "m5.jsonl", [whole])
     assert not any((tmp_path / f"m{i}.jsonl").exists() for i in range(2, 6))
+
+
+def _shards(tmp_path, src, n=2, **kw):
+    parts = [tmp_path / f"part{i}.jsonl" for i in range(n)]
+    for i, p in enumerate(parts):
+        _run(_Echo(), src, p, settings={"model": "m"}, shard=(i, n), **kw)
+    return parts
+
+
+def _refused(tmp_path, parts, match):
+    merged = tmp_path / "merged.jsonl"
+    with pytest.raises(ValueError, match=match):
+        jobs.merge(merged, parts)
+    assert not merged.exists()
+
+
+def test_merge_refuses_a_torn_or_unfinished_shard(tmp_path):
+    """A shard whose job was killed (its last line cut short, or no end line) or whose file
+    lost a line is refused, naming the file; nothing is written."""
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt": f"q{i}", "n": 2} for i in range(8)])
+    parts = _shards(tmp_path, src)
+    whole = parts[1].read_bytes()
+    parts[1].write_bytes(whole[:-30])  # the job killed while writing its last line
+    _refused(tmp_path, parts, f"{parts[1]}: its last line is cut short.*--shard 1/2")
+    # Killed between two lines: every line whole, but no end line.
+    lines = whole.splitlines(keepends=True)
+    parts[1].write_bytes(b"".join(lines[:3]))
+    _refused(tmp_path, parts, f"{parts[1]}: unfinished shard .no job end line.*--shard 1/2")
+    # Resumed, it finishes and merges; a result line deleted by hand is caught.
+    _run(_Echo(), src, parts[1], settings={"model": "m"}, shard=(1, 2))
+    assert cli.main(["merge", str(tmp_path / "ok.jsonl"), *map(str, parts)]) == 0
+    assert len(_read_results(tmp_path / "ok.jsonl")) == 16
+    lines = parts[0].read_bytes().splitlines(keepends=True)
+    parts[0].write_bytes(b"".join(lines[:1] + lines[2:]))
+    _refused(tmp_path, parts, f"{parts[0]}: its results are not the {len(lines) - 2} samples")
+
+
+def test_merge_refuses_shards_of_another_input_or_settings(tmp_path, capsys):
+    src, other = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt": f"q{i}"} for i in range(8)])
+    _write_jsonl(other, [{"id": i, "prompt": f"q{i}"} for i in range(7)])
+    mine = _shards(tmp_path, src)
+    foreign = tmp_path / "foreign0.jsonl"
+    _run(_Echo(), other, foreign, settings={"model": "m"}, shard=(0, 2))
+    _refused(tmp_path, [foreign, mine[1]], f"{mine[1]}: a shard of another input than {foreign}")
+    # The same ids with an edited prompt are another input too.
+    _write_jsonl(other, [{"id": i, "prompt": f"q{i}" + "!" * (i == 3)} for i in range(8)])
+    foreign.unlink()
+    _run(_Echo(), other, foreign, settings={"model": "m"}, shard=(0, 2))
+    _refused(tmp_path, [mine[1], foreign], "a shard of another input")
+    # Other settings: each file is named with its own value.
+    longer = tmp_path / "longer1.jsonl"
+    _run(
+        _Echo(),
+        src,
+        longer,
+        settings={"model": "m"},
+        shard=(1, 2),
+        defaults={"temperature": 0.0, "max_tokens": 9},
+    )
+    assert cli.main(["merge", str(tmp_path / "m.jsonl"), str(mine[0]), str(longer)]) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens=9 in longer1.jsonl, (not set) in part0.jsonl" in err
+    assert err.count("\n") == 1 and not (tmp_path / "m.jsonl").exists()
+
+
+def test_finished_job_ends_with_one_end_line(tmp_path):
+    """A job that wrote every sample ends its file with the end line; a rerun that adds
+    samples moves it to the end, and a rerun with nothing to do leaves the file as it is."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": 1, "prompt": "a", "n": 2}])
+    assert _run(_Echo(), src, dst)["finished"]
+    first = _end(dst)
+    assert (first["samples"], first["input_samples"]) == (2, 2)
+    _write_jsonl(src, [{"id": 1, "prompt": "a", "n": 2}, {"id": 2, "prompt": "b"}])
+    _run(_Echo(), src, dst)
+    text = dst.read_text()
+    assert text.count(jobs.END_KEY) == 1 and _end(dst)["samples"] == 3
+    assert _end(dst)["input"] != first["input"]
+    _run(_Never(), src, dst)
+    assert dst.read_text() == text
+    with pytest.raises(_Crash):  # a stopped job leaves no end line
+        _run(_Echo(crash_after=0), src, tmp_path / "cut.jsonl")
+    assert _end(tmp_path / "cut.jsonl") is None
+    assert jobs.read_output(dst).end == _end(dst)
+    assert len(jobs.read_output(dst).lines) == 3
 
 
 def test_openai_response_ids_are_stable():

@@ -272,6 +272,28 @@ def test_raise_exception_in_template(tmp_path):
         Tokenizer.from_dir(folder).apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
+def test_prompts_a_template_refuses_are_named(tmp_path):
+    """A chat the template raises on, or a "tool" message for a template without that role,
+    is one ValueError naming the prompt (not a jinja2 traceback)."""
+    from rkvjax import requests
+
+    template = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    template += "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    tok = Tokenizer.from_dir(
+        _write_folder(tmp_path / "m", tokenizer_config={"chat_template": template})
+    )
+    with pytest.raises(
+        ValueError, match=r"^prompt 3: the chat template of .*m refuses this chat: user first$"
+    ):
+        requests.encode(tok, [{"role": "system", "content": "x"}], None, "prompt 3")
+    with pytest.raises(ValueError, match="prompt 3: chat\\[1\\]: role 'tool', which this model's"):
+        chat = [{"role": "user", "content": "hello"}, {"role": "tool", "content": "world"}]
+        requests.encode(tok, chat, None, "prompt 3")
+    assert requests.encode(tok, [{"role": "user", "content": "hello"}], None) == tok.chat_ids(
+        [{"role": "user", "content": "hello"}]
+    )
+
+
 def test_template_sources_follow_transformers_priority(tmp_path):
     from transformers import AutoTokenizer
 

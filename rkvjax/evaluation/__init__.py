@@ -1,12 +1,14 @@
 """Reasoning evaluation: problems in, graded samples and pass@k out (`rkvjax eval`).
 
 - `problems`: the problem file (MATH-500, AIME 2024 or any JSONL with a problem and an answer).
+- `hub`: a problem file named by a Hugging Face dataset, fetched once into a local cache.
 - `grading`: the answer of a completion and whether it equals the reference (math-verify).
 - `metrics`: pass@k, the n-gram repetition rate, the summary of a run.
 - `run`: `run_eval`, the R1 recipe as a resumable job on the slot runtime.
 """
 
 from rkvjax.evaluation.grading import Grade, extract, final_part, grade, is_equivalent, last_boxed
+from rkvjax.evaluation.hub import problem_file
 from rkvjax.evaluation.metrics import k_values, pass_at_k, repetition_rate, summarize
 from rkvjax.evaluation.problems import Problem, read_problems
 from rkvjax.evaluation.run import (
@@ -39,6 +41,7 @@ __all__ = [
     "k_values",
     "last_boxed",
     "pass_at_k",
+    "problem_file",
     "prompt_of",
     "read_problems",
     "read_samples",

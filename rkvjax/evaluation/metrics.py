@@ -45,11 +45,12 @@ def k_values(samples: int) -> list[int]:
 def summarize(
     lines: Iterable[Mapping[str, Any]], problems: Sequence[Any], samples: int
 ) -> dict[str, Any]:
-    """The scores of graded sample lines (id, correct, completion_tokens, compressions,
-    repetition, finish_reason) over `problems`, each with `samples` samples.
+    """The scores of graded sample lines (id, correct, answer_source, completion_tokens,
+    compressions, repetition, finish_reason) over `problems`, each with `samples` samples.
 
     Problems without all their samples (a job stopped early) are left out of the scores and
-    counted in `incomplete_problems`.
+    counted in `incomplete_problems`. `pass@1` grades by the whole rule of `grading`;
+    `pass@1_boxed` counts only boxed answers (the harness's fallbacks left out).
     """
     by_id: dict[Any, list] = collections.defaultdict(list)
     for line in lines:
@@ -65,12 +66,17 @@ def summarize(
         ]
         table[str(k)] = statistics.fmean(per) if per else None
 
+    boxed = [
+        pass_at_k(samples, sum(_boxed_right(s) for s in by_id[p.id][:samples]), 1) for p in complete
+    ]
+
     def mean(key: str) -> float | None:
         return statistics.fmean(s[key] for s in graded) if graded else None
 
     finish = collections.Counter(s["finish_reason"] for s in graded)
     return {
         "pass@1": table["1"],
+        "pass@1_boxed": statistics.fmean(boxed) if boxed else None,
         "pass@k": table[str(samples)],
         "k": samples,
         "pass_at": table,
@@ -79,9 +85,16 @@ def summarize(
         "samples": len(graded),
         "correct_samples": sum(s["correct"] for s in graded),
         "answered_samples": sum(s["extracted_answer"] is not None for s in graded),
+        "answer_sources": dict(
+            collections.Counter(s.get("answer_source") or "none" for s in graded)
+        ),
         "mean_generated_tokens": mean("completion_tokens"),
         "mean_compressions": mean("compressions"),
         "repetition": mean("repetition"),
         "repetition_n": REPETITION_N,
         "finish_reasons": dict(finish),
     }
+
+
+def _boxed_right(line: Mapping[str, Any]) -> bool:
+    return bool(line["correct"]) and line.get("answer_source") == "boxed"

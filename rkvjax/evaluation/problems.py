@@ -1,9 +1,9 @@
 """Evaluation data: a JSONL file of problems with reference answers, every line checked first.
 
-A line is a JSON object with the problem under `problem` (or `question`) and the reference
-answer under `answer` (a LaTeX string or a number), as in MATH-500 and AIME 2024. Its id is `id`,
-else `unique_id`, else its line number; ids must be unique, so resuming finds each problem's
-samples again.
+A line is a JSON object with the problem under `problem` or `question` (both only with the same
+text) and the reference answer under `answer` (a LaTeX string or a number), as in MATH-500 and
+AIME 2024. Its id is `id`, else `unique_id`, else its line number; ids must be unique, so
+resuming finds each problem's samples again.
 """
 
 from __future__ import annotations
@@ -36,9 +36,15 @@ def _problem(obj: Any, where: str, line: int) -> Problem:
         raise ValueError(
             f"{where}: expected a JSON object with `problem` and `answer`, got {show(obj)}"
         )
-    key = next((k for k in PROBLEM_FIELDS if k in obj), None)
-    if key is None:
+    given = [k for k in PROBLEM_FIELDS if k in obj]
+    if not given:
         raise ValueError(f"{where}: needs `problem` (or `question`), the text to solve")
+    if len(given) > 1 and obj["problem"] != obj["question"]:
+        # The same text under both names is fine (the R-KV authors' AIME 2024 file has it).
+        raise ValueError(
+            f"{where}: has `problem` and `question` with different texts; give one of them"
+        )
+    key = given[0]
     text = obj[key]
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}: `{key}` must be a non-empty string, got {show(text)}")

@@ -9,7 +9,6 @@ resumes where it stopped; `OUT_DIR/summary.json` holds the scores when it ends.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -52,7 +51,7 @@ class GradingRunner(jobs.Runner):
     def run(self, reqs) -> Iterator[tuple[Any, dict[str, Any]]]:
         for r, rec in self.inner.run(reqs):
             gold = self._answers[r.id]
-            g = grading.grade(rec["text"], gold)
+            g = grading.grade(rec["text"], gold, truncated=rec["finish_reason"] == "length")
             self._graded += 1
             self._correct += g.correct
             yield (
@@ -61,6 +60,7 @@ class GradingRunner(jobs.Runner):
                     **rec,
                     "answer": gold,
                     "extracted_answer": g.answer,
+                    "answer_source": g.source,
                     "correct": g.correct,
                     "repetition": round(metrics.repetition_rate(rec["token_ids"]), 6),
                 },
@@ -155,7 +155,6 @@ def run_eval(
         **(settings or {}),
         **defaults,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
     job = jobs.run_requests(
         GradingRunner(inner, problems),
         reqs,
@@ -166,6 +165,7 @@ def run_eval(
         progress=progress,
         desc="eval",
         summary_file=False,
+        create_folder=True,
     )
     lines = read_samples(out_dir / SAMPLES_FILE)
     budget = job["settings"].get("cache_budget")  # as the engine resolved it (None: FullKV)
@@ -186,7 +186,5 @@ def run_eval(
 
 
 def read_samples(path: str | Path) -> list[dict[str, Any]]:
-    """The graded sample lines of an evaluation's samples.jsonl (its header skipped)."""
-    with Path(path).open("rb") as f:
-        raw = f.read().split(b"\n")
-    return [json.loads(x) for x in raw[1:] if x.strip()]
+    """The graded sample lines of an evaluation's samples.jsonl."""
+    return output.read_output(path).lines

@@ -2,7 +2,8 @@
 every slot busy, resumable, never losing finished work.
 
 - `inputs`: the request lines (rkvjax or OpenAI batch shape), each checked before any work.
-- `output`: the results file (header, lock, appends, resume), its summary, merging shards.
+- `output`: the results file (header, lock, appends, resume, the end line of a finished job),
+  its summary, merging shards.
 - `openai_batch`: the OpenAI batch request and response shapes.
 - `run`: `run_job`, and `EngineRunner`, which runs a job on `rkvjax.Engine`.
 """
@@ -17,11 +18,14 @@ from rkvjax.jobs.inputs import (
     resolve_sampling,
 )
 from rkvjax.jobs.output import (
+    END_KEY,
     FORMAT_VERSION,
     HEADER_KEY,
     JobOutput,
+    Results,
     check_output,
     merge,
+    read_output,
     summary_path,
 )
 from rkvjax.jobs.run import (
@@ -37,12 +41,14 @@ from rkvjax.jobs.run import (
 
 __all__ = [
     "DEFAULT_JOB_SLOTS",
+    "END_KEY",
     "FORMAT_VERSION",
     "HEADER_KEY",
     "ORDERS",
     "EngineRunner",
     "JobOutput",
     "Request",
+    "Results",
     "Runner",
     "check_output",
     "default_id",
@@ -50,6 +56,7 @@ __all__ = [
     "merge",
     "parse_shard",
     "preflight",
+    "read_output",
     "read_requests",
     "request_seed",
     "resolve_sampling",

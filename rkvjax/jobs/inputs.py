@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rkvjax import requests
 from rkvjax.jobs import openai_batch
 from rkvjax.jobs.quote import show, unknown
 from rkvjax.sampling import MAX_SEED, SamplingParams
@@ -43,6 +44,8 @@ class Request:
       chat: False for text that must not get the chat template (OpenAI completions), else None
         (the job's choice).
       openai: None for an rkvjax line; "chat" or "completions" for an OpenAI batch line.
+      samples: the sample indices to run, when a rerun finds some of the n written (None: all
+        of them).
     """
 
     line: int
@@ -51,10 +54,16 @@ class Request:
     sampling: SamplingParams
     chat: bool | None = None
     openai: str | None = None
+    samples: tuple[int, ...] | None = None
 
     @property
     def n(self) -> int:
         return self.sampling.n
+
+    @property
+    def sample_indices(self) -> tuple[int, ...]:
+        """The sample indices to run: `samples`, or every one of the n."""
+        return tuple(range(self.n)) if self.samples is None else self.samples
 
 
 def _is_int(value: Any) -> bool:
@@ -80,6 +89,14 @@ def request_hash(r: Request) -> str:
     carry it, so a rerun whose line for an id changed is refused instead of resumed."""
     sampling = {k: v for k, v in dataclasses.asdict(r.sampling).items() if k != "n"}
     return f"{_digest([r.prompt, r.chat, r.openai, sampling]):016x}"
+
+
+def input_digest(reqs: list[Request]) -> str:
+    """A digest of a job's whole input: every request's id, `request_hash` and n, in any line
+    order. Every shard of one input records the same in its end line, so `merge` can tell
+    shards of another input (or of an edited one) apart."""
+    rows = sorted(json.dumps([r.id, request_hash(r), r.n]) for r in reqs)
+    return f"{_digest(rows):016x}"
 
 
 def request_seed(job_seed: int, request_id: str | int) -> int:
@@ -121,7 +138,7 @@ def _prompt_of(obj: Mapping[str, Any], where: str) -> str | list:
         if not isinstance(value, str) or not value:
             raise ValueError(f"{where}: `prompt` must be a non-empty string, got {show(value)}")
     elif key == "messages":
-        openai_batch.check_messages(value, where)
+        requests.check_messages(value, where, field="messages")
     elif not isinstance(value, list) or not value or not all(map(_is_int, value)):
         raise ValueError(
             f"{where}: `prompt_token_ids` must be a non-empty list of ints, got {show(value)}"
@@ -164,11 +181,13 @@ def _rkvjax_line(obj: dict, where: str, line: int, defaults: Mapping[str, Any]) 
 def json_line(raw: bytes, where: str) -> Any:
     """One line of a JSONL file, decoded; a ValueError naming `where` if it is not UTF-8 JSON."""
     try:
-        return json.loads(raw.decode("utf-8"))
+        value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"{where}: not UTF-8 text ({e.reason})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+    requests.check_strings(value, where)  # JSON escapes can spell a lone surrogate
+    return value
 
 
 def parse_line(raw: bytes, where: str, line: int, defaults: Mapping[str, Any]) -> Request:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rkvjax import requests
 from rkvjax.jobs.quote import show, unknown
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -53,19 +54,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 def is_batch_line(obj: Mapping[str, Any]) -> bool:
     """Whether a JSON line is in the OpenAI batch shape."""
     return "custom_id" in obj or "body" in obj
-
-
-def check_messages(messages: Any, where: str) -> None:
-    """A chat: a non-empty list of {"role": str, "content": str} messages."""
-    ok = isinstance(messages, list) and bool(messages)
-    for m in messages if ok else ():
-        ok = ok and isinstance(m, dict) and isinstance(m.get("role"), str)
-        ok = ok and isinstance(m.get("content", ""), str)
-    if not ok:
-        raise ValueError(
-            f'{where}: `messages` must be a non-empty list of {{"role": ..., "content": ...}} '
-            f"objects with string values, got {show(messages)}"
-        )
 
 
 def _logprobs_field(body: Mapping[str, Any], kind: str, where: str) -> int | None:
@@ -124,7 +112,7 @@ def parse_line(obj: Mapping[str, Any], where: str) -> tuple[str, Any, dict[str, 
     if kind == "chat":
         if "messages" not in body:
             raise ValueError(f"{where}: a {url} body needs `messages`")
-        check_messages(body["messages"], where)
+        requests.check_messages(body["messages"], where, field="messages")
         prompt = body["messages"]
     else:
         prompt = body.get("prompt")

@@ -1,18 +1,27 @@
 """Job output: a JSONL file that starts with a header, locked while a job writes it.
 
-The header `{"rkvjax_job": 2, "settings": {...}}` holds the format version and the settings that
+The header `{"rkvjax_job": 3, "settings": {...}}` holds the format version and the settings that
 produce the results; each later line is one result. Results are appended with one write and an
 fsync each, so a crash tears at most the last line, which a rerun drops. A rerun refuses other
 settings, and no job touches a file without the header, nor the input itself.
+
+A job that wrote every sample of its requests ends the file with an end line,
+`{"rkvjax_job_end": {"input": ..., "input_samples": ..., "samples": ..., "keys": ...}}`: a digest
+of the whole input's requests (every shard of one input names the same), the input's samples,
+and the count and a digest of the (id, sample index) keys this file must hold. A file without
+one is unfinished. A rerun that appends results removes the end line first and writes a new one
+when it finishes. `merge` joins only finished shards of one input, and checks each against its
+end line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +30,8 @@ from rkvjax.jobs import openai_batch
 from rkvjax.jobs.quote import show
 
 HEADER_KEY = "rkvjax_job"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: finished jobs end with an end line (END_KEY)
+END_KEY = "rkvjax_job_end"
 SUMMARY_KEY = "rkvjax_job_summary"
 NEW_FILE = "pick another output path for a new job"
 HASH_FIELD = "request_hash"  # of result lines: `inputs.request_hash` of the line's request
@@ -69,10 +79,23 @@ def line_keys(obj: Any) -> list[tuple[Any, int]] | None:
     return [(obj["id"], obj.get("sample_index", 0))]
 
 
-def _result_keys(lines: list[bytes], path: Path) -> dict:
-    """{key: the line's request_hash (None if it has none)} of the complete result lines
-    (numbered from 2: line 1 is the header)."""
+def end_line(end: Mapping[str, Any]) -> bytes:
+    """The last line of a finished job's output (see the module docstring)."""
+    return json.dumps({END_KEY: dict(end)}).encode("utf-8") + b"\n"
+
+
+def keys_digest(keys: Iterable[tuple[Any, int]]) -> str:
+    """A digest of a set of (request id, sample index) keys, whatever their order."""
+    canon = sorted(json.dumps([k, j]) for k, j in keys)
+    return hashlib.sha256("\n".join(canon).encode("utf-8")).hexdigest()[:16]
+
+
+def _result_keys(lines: list[bytes], path: Path) -> tuple[dict, dict | None]:
+    """({key: the line's request_hash (None if it has none)} of the complete result lines, the
+    end line's fields if the last of them is one); lines are numbered from 2 (1 is the
+    header)."""
     keys: dict = {}
+    end = None
     for n, line in enumerate(lines, 2):
         if not line.strip():
             continue
@@ -83,6 +106,16 @@ def _result_keys(lines: list[bytes], path: Path) -> dict:
                 f"{path}:{n}: corrupt result line (not JSON); restore or delete that line, or "
                 f"{NEW_FILE}"
             ) from None
+        if end is not None:
+            raise ValueError(
+                f"{path}:{n}: a line after the job's end line; the file was edited: restore it, "
+                f"or {NEW_FILE}"
+            )
+        if isinstance(obj, dict) and END_KEY in obj:
+            end = obj[END_KEY]
+            if not isinstance(end, dict):
+                raise ValueError(f"{path}:{n}: damaged job end line; {NEW_FILE}")
+            continue
         found = line_keys(obj)
         if found is None:
             raise ValueError(
@@ -90,7 +123,7 @@ def _result_keys(lines: list[bytes], path: Path) -> dict:
                 f"{NEW_FILE}"
             )
         keys.update(dict.fromkeys(found, obj.get(HASH_FIELD)))
-    return keys
+    return keys, end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,39 +133,54 @@ class Scan:
     settings: dict[str, Any] | None  # None: empty, or a header cut short by a kill
     done: dict  # (request id, sample index) -> the request_hash its line was written with
     keep: int  # bytes up to the last complete line; the rest is a torn write
+    torn: bool = False  # the file ends in a line cut short (a job killed while writing)
+    end: dict[str, Any] | None = None  # the end line of a finished job (its last line)
+    results_end: int = 0  # bytes up to the last result line: where the end line starts
 
 
 def scan_output(data: bytes, path: Path) -> Scan:
     """Reads an output's bytes without changing anything; refuses files rkvjax did not write."""
     if not data or _torn_header(data):
-        return Scan(None, {}, 0)
+        return Scan(None, {}, 0, torn=bool(data))
     first = data.find(b"\n")
     settings = _read_header(data if first < 0 else data[:first], path)
     if first < 0:
         raise ValueError(f"{path}: its job header line is cut short; {NEW_FILE}")
     keep = data.rfind(b"\n") + 1
-    return Scan(settings, _result_keys(data[first + 1 : keep].split(b"\n")[:-1], path), keep)
+    done, end = _result_keys(data[first + 1 : keep].split(b"\n")[:-1], path)
+    results_end = keep if end is None else data.rfind(b"\n", 0, keep - 1) + 1
+    return Scan(settings, done, keep, len(data) > keep, end, results_end)
 
 
-def settings_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+def settings_diff(
+    old: Mapping[str, Any],
+    new: Mapping[str, Any],
+    old_name: str = "in the file",
+    new_name: str = "now",
+) -> list[str]:
     """`key=OLD in the file, NEW now` for every setting that differs."""
-    missing = "(not set)"
+
+    def value(settings: Mapping[str, Any], key: str) -> str:
+        return show(settings[key]) if key in settings else "(not set)"
+
     keys = list(old) + [k for k in new if k not in old]
     return [
-        f"{k}={show(old.get(k, missing))} in the file, {show(new.get(k, missing))} now"
+        f"{k}={value(old, k)} {old_name}, {value(new, k)} {new_name}"
         for k in keys
-        if old.get(k, missing) != new.get(k, missing)
+        if k not in old or k not in new or old[k] != new[k]
     ]
 
 
 class JobOutput:
     """A job's results file, locked while open: header, settings check, resume and appends."""
 
-    def __init__(self, path: Path, file, hashes: dict):
+    def __init__(self, path: Path, file, scan: Scan):
         self.path, self._file = path, file
         # (request id, sample index) of every sample written -> its line's request_hash
         # (None: none)
-        self.hashes = hashes
+        self.hashes = dict(scan.done)
+        self.end = scan.end  # the end line's fields while the file ends with one
+        self._results_end = scan.results_end
 
     @property
     def done(self):
@@ -167,21 +215,41 @@ class JobOutput:
                 # No results yet: the header is (re)written for this run's settings.
                 f.truncate(0)
                 _write(f, header_line(settings), path)
-            elif scan.keep < f.tell():
+                scan = Scan(settings, {}, 0, results_end=f.tell())
+            elif scan.torn:
                 f.truncate(scan.keep)  # the last write was cut short: drop its partial line
                 os.fsync(f.fileno())
         except BaseException:
             f.close()
             raise
-        return cls(path, f, dict(scan.done))
+        return cls(path, f, scan)
+
+    def _reopen(self) -> None:
+        """Removes the end line before more results: the job is not finished until it writes
+        a new one."""
+        if self.end is not None:
+            self._file.truncate(self._results_end)
+            os.fsync(self._file.fileno())
+            self.end = None
 
     def append(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Appends result lines with one write and an fsync, so a crash tears at most the last."""
         records = list(records)
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        self._reopen()
         _write(self._file, text.encode("utf-8"), self.path)
         for r in records:
             self.hashes.update(dict.fromkeys(line_keys(r) or (), r.get(HASH_FIELD)))
+
+    def finish(self, end: Mapping[str, Any]) -> None:
+        """Ends the file with the end line of a finished job (unless it already ends so)."""
+        end = json.loads(json.dumps(dict(end)))
+        if end == self.end:
+            return
+        self._reopen()
+        self._results_end = self._file.seek(0, os.SEEK_END)
+        _write(self._file, end_line(end), self.path)
+        self.end = end
 
     def close(self) -> None:
         """Releases the lock."""
@@ -192,6 +260,28 @@ class JobOutput:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Results:
+    """A job output as read back: the settings of its header, its result lines, and its end
+    line's fields (None while the job is unfinished)."""
+
+    settings: dict[str, Any]
+    lines: list[dict[str, Any]]
+    end: dict[str, Any] | None
+
+
+def read_output(path: str | Path) -> Results:
+    """Reads a job output (a line cut short by a kill is left out); refuses other files."""
+    path = Path(path)
+    data = path.read_bytes()
+    scan = scan_output(data, path)
+    if scan.settings is None:
+        raise ValueError(f"{path}: holds no job header (empty, or its job was stopped at once)")
+    body = data[data.find(b"\n") + 1 : scan.results_end]
+    lines = [json.loads(x) for x in body.split(b"\n") if x.strip()]
+    return Results(scan.settings, lines, scan.end)
 
 
 def refuse_input(input_path: str | Path, path: Path) -> None:
@@ -295,7 +385,10 @@ def write_summary(path: Path, summary: Mapping[str, Any], key: str = SUMMARY_KEY
     never replaces a file that is not a summary of this kind."""
     read_summary(path, key)
     data = json.dumps({key: 1, **summary}, indent=2).encode("utf-8") + b"\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # Not mkstemp: its files are private (0600); a summary is as readable as the results
+    # beside it (0666 less the umask).
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -310,11 +403,42 @@ def write_summary(path: Path, summary: Mapping[str, Any], key: str = SUMMARY_KEY
 # -- merging shards ----------------------------------------------------------------------------
 
 
+def _finished_shard(path: Path) -> tuple[Scan, bytes]:
+    """A shard output's scan and bytes, refused unless its job finished and its results are
+    the ones its end line names."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (a shard output of `rkvjax batch`)")
+    data = path.read_bytes()
+    scan = scan_output(data, path)
+    if scan.settings is None:
+        raise ValueError(f"{path}: holds no job header (an unfinished or empty shard)")
+    shard = scan.settings.get("shard")
+    if not isinstance(shard, str):
+        raise ValueError(f"{path}: not a shard output (its settings have no `shard`)")
+    rerun = f"rerun its job (`rkvjax batch ... --shard {shard}`) to finish it"
+    if scan.torn:
+        raise ValueError(
+            f"{path}: its last line is cut short: its job was stopped while writing; {rerun}"
+        )
+    if scan.end is None:
+        raise ValueError(f"{path}: unfinished shard (no job end line); {rerun}")
+    want = (scan.end.get("samples"), scan.end.get("keys"))
+    if want != (len(scan.done), keys_digest(scan.done)):
+        raise ValueError(
+            f"{path}: its results are not the {scan.end.get('samples')} samples its end line "
+            "names (edited after its job ended?); " + rerun
+        )
+    return scan, data
+
+
 def merge(output: str | Path, shards: Iterable[str | Path]) -> tuple[int, int]:
     """Merges the outputs of a job's shards (`--shard I/N`) into one new output.
 
-    Every shard must come from the same job (equal settings but the shard) and every shard of
-    it must be there once; a sample found twice is an error. The output must not exist.
+    Every shard must be finished (its file ends with the job's end line, and holds exactly the
+    samples that line names), come from the same job (equal settings but the shard, and the
+    same input), and every shard of it must be there once. The merged file holds every sample
+    of the input once, and ends with the end line of the whole input. The output must not
+    exist.
 
     Returns:
       (shards merged, result lines written).
@@ -324,48 +448,66 @@ def merge(output: str | Path, shards: Iterable[str | Path]) -> tuple[int, int]:
     if not paths:
         raise ValueError("merge needs the shard outputs to merge")
     check_folder(output)
-    parts, base, seen = [], None, {}
+    if output.exists():
+        raise FileExistsError(f"{output}: exists; merge writes a new file")
+    parts, seen = [], {}
     for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"{p}: no such file (a shard output of `rkvjax batch`)")
-        data = p.read_bytes()
-        scan = scan_output(data, p)
-        if scan.settings is None:
-            raise ValueError(f"{p}: holds no job header (an unfinished or empty shard)")
-        shard = scan.settings.get("shard")
-        if not isinstance(shard, str):
-            raise ValueError(f"{p}: not a shard output (its settings have no `shard`)")
-        rest = {k: v for k, v in scan.settings.items() if k != "shard"}
-        if base is None:
-            base, want = rest, int(shard.split("/")[1])
-        elif rest != base:
-            diff = settings_diff(base, rest)
-            raise ValueError(f"{p}: another job's shard ({'; '.join(diff)} than {paths[0]})")
+        scan, data = _finished_shard(p)
+        shard = scan.settings["shard"]
+        if parts:
+            first, base = parts[0][0], parts[0][1]
+            diff = settings_diff(
+                _unsharded(scan.settings),
+                _unsharded(base.settings),
+                f"in {p.name}",
+                f"in {first.name}",
+            )
+            if diff:
+                raise ValueError(f"{p}: another job's shard ({'; '.join(diff)})")
+            if scan.end.get("input") != base.end.get("input"):
+                raise ValueError(
+                    f"{p}: a shard of another input than {first} (their end lines name "
+                    "different request lines)"
+                )
         if shard in seen:
             raise ValueError(f"{p}: shard {shard} again ({seen[shard]} is shard {shard} too)")
         seen[shard] = p
-        first = data.find(b"\n") + 1
-        parts.append((p, data[first : scan.keep]))
-    missing = sorted(set(f"{i}/{want}" for i in range(want)) - set(seen))
+        parts.append((p, scan, data))
+    want = int(parts[0][1].settings["shard"].split("/")[1])
+    missing = sorted(set(f"{i}/{want}" for i in range(want)) - set(seen), key=_shard_index)
     if missing:
         raise ValueError(f"shards {', '.join(missing)} missing (every one of the {want} is needed)")
     keys: dict = {}
-    lines = 0
-    for p, body in parts:
-        for n, line in enumerate(body.split(b"\n")[:-1], 2):
-            for key in line_keys(json.loads(line)) or ():
-                if key in keys:
-                    raise ValueError(f"{p}:{n}: sample {key} again ({keys[key]} has it)")
-                keys[key] = f"{p}:{n}"
-            lines += 1
+    for p, scan, _ in parts:
+        for key in scan.done:
+            if key in keys:
+                raise ValueError(f"{p}: sample {key} again ({keys[key]} has it)")
+            keys[key] = p
+    end = parts[0][1].end
+    if len(keys) != end.get("input_samples"):
+        raise ValueError(
+            f"the shards hold {len(keys)} samples, their input {end.get('input_samples')}"
+        )
     try:
         fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         raise FileExistsError(f"{output}: exists; merge writes a new file") from None
+    lines = 0
     with os.fdopen(fd, "wb") as f:
-        f.write(header_line(base))
-        for _, body in parts:
+        f.write(header_line(_unsharded(parts[0][1].settings)))
+        for _, scan, data in parts:
+            body = data[data.find(b"\n") + 1 : scan.results_end]
             f.write(body)
+            lines += sum(1 for line in body.split(b"\n") if line.strip())
+        f.write(end_line({**end, "samples": len(keys), "keys": keys_digest(keys)}))
         f.flush()
         os.fsync(f.fileno())
     return len(parts), lines
+
+
+def _shard_index(shard: str) -> int:
+    return int(shard.split("/")[0])
+
+
+def _unsharded(settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k != "shard"}

@@ -11,6 +11,10 @@ from typing import Any
 def show(value: Any) -> str:
     """A JSON value for a message, cut to 40 characters."""
     text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: printed as its escape
+        text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

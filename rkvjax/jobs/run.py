@@ -4,6 +4,7 @@ finished sample appended (and fsynced) the moment it finishes."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 
 from rkvjax.jobs import openai_batch, output
-from rkvjax.jobs.inputs import Request, in_shard, read_requests, request_hash
+from rkvjax.jobs.inputs import Request, in_shard, input_digest, read_requests, request_hash
 
 DEFAULT_JOB_SLOTS = 256  # slots at most when a job does not say (vLLM's max_num_seqs)
 ORDERS = ("longest", "input")  # EngineRunner's admission orders
@@ -25,7 +26,9 @@ class Runner:
     `prepare` sees every request of the input (done or not) and returns the settings it
     resolved from them (e.g. a fractional budget), raising ValueError prefixed with
     `where(request)` for one it cannot read; `check` raises ValueError for a request it
-    cannot run; `run` yields (request, sample record) as samples finish, in any order.
+    cannot run; `run` yields (request, sample record) as samples finish, in any order, for the
+    samples `request.sample_indices` names (a runner that runs all n of each request is
+    correct too: the job writes only the missing ones).
     """
 
     model_name = "rkvjax"
@@ -117,14 +120,8 @@ class EngineRunner(Runner):
     def prepare(self, reqs: list[Request], where: Callable[[Request], str]) -> dict[str, Any]:
         from rkvjax import api
 
-        failures = []
-        for r in reqs:
-            try:
-                self._ids[r.id] = self._encode(r, where(r))
-            except ValueError as e:
-                failures.append(str(e))
-        if failures:
-            raise ValueError(_first_of(failures))
+        ids = _each_checked(reqs, lambda r: self._encode(r, where(r)))
+        self._ids = {r.id: row for r, row in zip(reqs, ids, strict=True)}
         self.engine = api.engine_for(
             self.model,
             [self._ids[r.id] for r in reqs],
@@ -146,7 +143,10 @@ class EngineRunner(Runner):
             reqs = sorted(reqs, key=lambda r: -r.sampling.max_tokens)  # stable: ties keep order
         by_id = {r.id: r for r in reqs}
         self.engine.submit_many(
-            [self._ids[r.id] for r in reqs], [r.sampling for r in reqs], ids=list(by_id)
+            [self._ids[r.id] for r in reqs],
+            [r.sampling for r in reqs],
+            ids=list(by_id),
+            samples=[r.sample_indices for r in reqs],
         )
         for res in self.engine.results():
             yield by_id[res.request_id], sample_record(res)
@@ -167,6 +167,20 @@ class EngineRunner(Runner):
         if self.model.tokenizer is None:
             return str(token)
         return self.model.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _each_checked(reqs: list[Request], fn: Callable[[Request], Any]) -> list:
+    """fn(r) for every request; if some raise ValueError, the first one's message is raised,
+    saying how many more lines fail too (so a file is fixed in one pass, not line by line)."""
+    out, failures = [], []
+    for r in reqs:
+        try:
+            out.append(fn(r))
+        except ValueError as e:
+            failures.append(str(e))
+    if failures:
+        raise ValueError(_first_of(failures))
+    return out
 
 
 def _first_of(failures: list[str]) -> str:
@@ -206,6 +220,32 @@ def _changed_requests(reqs: list[Request], out: output.JobOutput, where) -> list
                 f"it a new id, or {output.NEW_FILE}"
             )
     return errors
+
+
+def _left_to_run(reqs: list[Request], left: np.ndarray) -> list[Request]:
+    """The requests with samples left (`left`: a flag per sample, request by request), each
+    with only those samples to run: their seeds depend on the sample index alone, so they are
+    the samples a whole run would draw. An OpenAI line holds all n samples of its request: it
+    runs them all again."""
+    todo, at = [], 0
+    for r in reqs:
+        mine = tuple(j for j in range(r.n) if left[at + j])
+        at += r.n
+        if mine:
+            whole = r.openai or len(mine) == r.n
+            todo.append(r if whole else dataclasses.replace(r, samples=mine))
+    return todo
+
+
+def _end_of(every: list[Request], reqs: list[Request]) -> dict[str, Any]:
+    """The end line of a finished job over `reqs`, a shard of the input `every` (or all of
+    it)."""
+    return {
+        "input": input_digest(every),
+        "input_samples": sum(r.n for r in every),
+        "samples": sum(r.n for r in reqs),
+        "keys": output.keys_digest((r.id, j) for r in reqs for j in range(r.n)),
+    }
 
 
 def run_job(
@@ -259,6 +299,7 @@ def run_requests(
     progress: bool = True,
     desc: str = "batch",
     summary_file: bool = True,
+    create_folder: bool = False,
 ) -> dict[str, Any]:
     """`run_job` on requests already read (e.g. built from a dataset by `rkvjax eval`).
 
@@ -269,6 +310,7 @@ def run_requests(
         output's header.
       desc: the progress bar's label.
       summary_file: write the summary next to the output (`output.summary_path`).
+      create_folder: create the output's folder, once every request passed its checks.
       The rest as in `run_job`.
     """
     from tqdm.auto import tqdm
@@ -286,6 +328,10 @@ def run_requests(
     if shard is not None:
         settings["shard"] = f"{shard[0]}/{shard[1]}"
     reqs = [r for r in every if in_shard(r.id, shard)]
+    # Every request this job may run is checked before the output is touched.
+    _each_checked(reqs, lambda r: runner.check(r, where(r)))
+    if create_folder:
+        Path(output_path).parent.mkdir(parents=True, exist_ok=True)
     # On several processes every one runs every request (the model is split over all of them);
     # process 0 owns the output and decides which requests are left.
     primary = jax.process_index() == 0
@@ -305,7 +351,8 @@ def run_requests(
                 out = None
     done = out.done if out is not None else set()
     already = sum((r.id, j) in done for r in reqs for j in range(r.n))
-    left = [any((r.id, j) not in done for j in range(r.n)) for r in reqs]
+    # Process 0's view of which samples are left decides for every process.
+    left = [(r.id, j) not in done for r in reqs for j in range(r.n)]
     flags = _from_process_0(np.array([error is None, *left]))
     if error is not None:
         raise error
@@ -313,15 +360,7 @@ def run_requests(
         raise ValueError(f"{output_path}: process 0 could not open it (its error says why)")
     counts: collections.Counter = collections.Counter()
     try:
-        todo = [r for r, x in zip(reqs, flags[1:], strict=True) if x]
-        failures = []
-        for r in todo:
-            try:
-                runner.check(r, where(r))
-            except ValueError as e:
-                failures.append(str(e))
-        if failures:
-            raise ValueError(_first_of(failures))
+        todo = _left_to_run(reqs, flags[1:])
         bar = tqdm(
             total=sum(r.n for r in reqs),
             initial=already,
@@ -354,6 +393,8 @@ def run_requests(
             bar.update(1)
             bar.set_postfix(runner.postfix(), refresh=False)
         bar.close()
+        if out is not None and all((r.id, j) in out.done for r in reqs for j in range(r.n)):
+            out.finish(_end_of(every, reqs))
     finally:
         if out is not None:
             out.close()
@@ -365,6 +406,7 @@ def run_requests(
         "requests": len(reqs),
         "samples": sum(r.n for r in reqs),
         "requests_run": len(todo),
+        "finished": out is not None and out.end is not None,  # the file ends with its end line
         "samples_written": counts["written"],
         "samples_already_done": already,
         "generated_tokens": counts["generated_tokens"],
