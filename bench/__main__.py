@@ -38,6 +38,7 @@ SUITES = (
     "accuracy",
     "ragged",
     "tail",
+    "host",
     "sampling",
     "jobs",
     "kernels",

@@ -27,7 +27,7 @@ import numpy as np
 
 import rkvjax
 from bench import checkpoints
-from rkvjax import engine, requests
+from rkvjax import programs, requests
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -277,7 +277,7 @@ def submitted(model, ids, params, cc, max_len: int) -> rkvjax.Engine:
 
 
 def copy_state(state):
-    """A fresh copy of a device state: `engine.decode` donates the state it is given."""
+    """A fresh copy of a device state: `programs.decode` donates the state it is given."""
     return jax.tree.map(jnp.copy, state)
 
 
@@ -286,7 +286,7 @@ def decode_all(eng: rkvjax.Engine, state):
     no admissions). Returns (state, the last chunk's output, tokens made)."""
     made = 0
     while True:
-        state, out = engine.decode(eng.model.decoder, state, steps=eng.chunk, plan=eng.plan)
+        state, out = programs.decode(eng.executor.decoder, state, steps=eng.chunk, plan=eng.plan)
         counts, active = jax.device_get((out.count, out.active))
         made += int(counts.sum())
         if not active.any():

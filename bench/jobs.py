@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import common
-from rkvjax import api, engine, jobs, requests
+from rkvjax import api, jobs, programs, requests
 
 MODES = ("continuous", "continuous_input_order", "batch_by_batch")
 TINY = dict(requests=8, slots=2, max_tokens=[8, 40], budget=32, buffer=16)
@@ -110,11 +110,11 @@ def run_once(runner, src: Path, folder: Path, name: str) -> tuple[float, float, 
     dst = folder / f"{name}.jsonl"
     dst.unlink(missing_ok=True)
     jobs.summary_path(dst).unlink(missing_ok=True)
-    c0 = engine.compile_seconds()
+    c0 = programs.compile_seconds()
     wall, summary = common.timed(
         lambda: jobs.run_job(runner, src, dst, token_ids=True, progress=False)
     )
-    compile_s = engine.compile_seconds() - c0
+    compile_s = programs.compile_seconds() - c0
     tokens = sorted((r["id"], r["token_ids"]) for r in jobs.read_output(dst).lines)
     return wall, compile_s, tokens, summary
 

@@ -4,7 +4,7 @@ Every row sits at its own fill level ("ragged": prompt lengths spread over 16..1
 equal (64 tokens). Before lanes, R-KV ran every row's selection whenever one row was full:
 0.79x StreamingLLM ragged, 0.997x equal.
 
-Decode-only timings prefill once and time `engine.decode` from copies of the prefilled state;
+Decode-only timings prefill once and time `programs.decode` from copies of the prefilled state;
 the methods take turns run by run, so load from other processes on a shared machine hits them
 alike; medians are reported, and per-round ratios.
 """

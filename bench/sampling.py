@@ -2,7 +2,7 @@
 
 engine   temperature 0.6 + top-p 0.95 against greedy decode tokens/s at batch 8 on the model
          (before per-row sampling, nucleus sampling sorted the vocabulary every step: 0.35x).
-         Decode-only: prefill once, time `engine.decode` from copies of the prefilled state,
+         Decode-only: prefill once, time `programs.decode` from copies of the prefilled state,
          the two settings taking turns run by run; medians, and the per-round ratio.
 sampler  the former batch-level sampler against per-row `sample_rows`: random float32 logits
          [B, V] (V = 49,152, the default model's vocabulary), jit-compiled, median wall time

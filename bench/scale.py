@@ -39,7 +39,7 @@ import numpy as np
 
 import rkvjax
 from bench import common, throughput
-from rkvjax import engine, loading
+from rkvjax import loading, programs
 
 PREFER_MEMORY = True
 REAL_CONFIGS = common.DATA.parent / "real_configs"
@@ -114,7 +114,7 @@ def row_bytes(model, cc, max_len: int) -> int:
     return common.tree_bytes(_engine(model, cc, 1, max_len).state_shapes())
 
 
-def filled(state: engine.SlotState, length: int) -> engine.SlotState:
+def filled(state: programs.SlotState, length: int) -> programs.SlotState:
     """`state` with every row's cache holding `length` tokens, in position order (the cache's
     invariant: slots [0, length) occupied, the rest empty)."""
     c = state.cache
@@ -132,7 +132,7 @@ def _decode(eng: rkvjax.Engine, state, steps: int):
     steps): rows never finish here (max_tokens is the generation length)."""
     run = comps = stalls = 0
     while run < steps:
-        state, out = engine.decode(eng.model.decoder, state, steps=eng.chunk, plan=eng.plan)
+        state, out = programs.decode(eng.executor.decoder, state, steps=eng.chunk, plan=eng.plan)
         c, s = jax.device_get((out.compressions, out.stalls))
         comps, stalls = int(np.sum(c)), int(np.sum(s))
         run += eng.chunk
@@ -148,9 +148,9 @@ def measure(model, cc, *, batch: int, gen: int, args) -> dict:
     prompts = rng.integers(3, model.config.vocab_size, size=(batch, prompt_len)).tolist()
     sp = rkvjax.SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     eng.submit_many(prompts, [sp] * batch)
-    c0, t0 = engine.compile_seconds(), time.perf_counter()
+    c0, t0 = programs.compile_seconds(), time.perf_counter()
     state = eng.prefilled()
-    prefill_s = time.perf_counter() - t0 - (engine.compile_seconds() - c0)
+    prefill_s = time.perf_counter() - t0 - (programs.compile_seconds() - c0)
     room = args.warmup_steps + args.timed_steps + 2 * eng.chunk
     if not cc.compressing and eng.capacity <= room:
         raise ValueError(f"gen_tokens {gen} leaves no room for {room} timed steps")
@@ -158,11 +158,11 @@ def measure(model, cc, *, batch: int, gen: int, args) -> dict:
     state = filled(state, eng.capacity - room if not cc.compressing else eng.capacity - 1)
     state, warm, comps0, stalls0 = _decode(eng, state, args.warmup_steps)
     jax.block_until_ready(state)
-    c1, t1 = engine.compile_seconds(), time.perf_counter()
+    c1, t1 = programs.compile_seconds(), time.perf_counter()
     state, timed, comps1, stalls1 = _decode(eng, state, args.timed_steps)
     jax.block_until_ready(state)
     dt = time.perf_counter() - t1
-    assert engine.compile_seconds() == c1, "a timed step compiled"
+    assert programs.compile_seconds() == c1, "a timed step compiled"
     compile_s = c1 - c0
     step_s = dt / timed
     total_s = prefill_s + gen * step_s

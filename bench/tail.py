@@ -32,7 +32,7 @@ import numpy as np
 
 import rkvjax
 from bench import common
-from rkvjax import engine
+from rkvjax import programs
 
 MODES = ("narrow", "wide")
 TINY = dict(slots=4, short_tokens=[8, 16], long_tokens=200, budget=32, buffer=16, repeats=1)
@@ -78,10 +78,10 @@ SCENARIOS = {"batch": _batch, "online": _online}
 def run_once(model, cc, prompts, params, scenario: str, narrow: bool):
     """-> (wall seconds, of which compiling, tokens per request, runtime counters)."""
     eng = rkvjax.Engine(model, slots=len(prompts), cache=cc, narrow_tail=narrow)
-    c0 = engine.compile_seconds()
+    c0 = programs.compile_seconds()
     wall, out = common.timed(SCENARIOS[scenario], eng, prompts, params)
     tokens = [r.token_ids for r in sorted(out, key=lambda r: r.request_id)]
-    return wall, engine.compile_seconds() - c0, tokens, eng.stats.to_dict()
+    return wall, programs.compile_seconds() - c0, tokens, eng.stats.to_dict()
 
 
 def run(args, folder) -> list[dict]:

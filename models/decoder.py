@@ -120,11 +120,13 @@ class Block(nnx.Module):
     def __call__(self, x, rope, attend: Callable, state):
         """x [D, B, T] -> ([D, B, T], state)."""
         eps = self.cfg.rms_eps
-        h, state = self.attn(
-            layers.rms_norm(x, self.attn_norm[...], eps, axis=0), rope, attend, state
-        )
+        with jax.named_scope("attention"):
+            h, state = self.attn(
+                layers.rms_norm(x, self.attn_norm[...], eps, axis=0), rope, attend, state
+            )
         x = x + h
-        return x + self.mlp(layers.rms_norm(x, self.mlp_norm[...], eps, axis=0)), state
+        with jax.named_scope("mlp"):
+            return x + self.mlp(layers.rms_norm(x, self.mlp_norm[...], eps, axis=0)), state
 
 
 class Decoder(nnx.Module):

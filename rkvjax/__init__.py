@@ -1,12 +1,40 @@
-"""rkvjax: a JAX/Flax decoding engine for reasoning models with decode-time KV-cache compression."""
+"""rkvjax: a JAX/Flax decoding engine for reasoning models with decode-time KV-cache compression.
 
-from rkvjax import compression, evaluation, jobs
-from rkvjax.api import generate, logits, score
-from rkvjax.config import CompressionConfig, ModelConfig, compression_config
-from rkvjax.loading import Model, load
-from rkvjax.results import GenerationResult, GenerationStats, RunStats, ScoreResult
-from rkvjax.runtime import Engine
-from rkvjax.sampling import SamplingParams
+The public names load on first use (PEP 562): `import rkvjax` alone imports no JAX, so the parts
+that need none (request checks, the scheduler, job files) start at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rkvjax import compression, evaluation, jobs
+    from rkvjax.api import generate, logits, score
+    from rkvjax.config import CompressionConfig, ModelConfig, compression_config
+    from rkvjax.loading import Model, load
+    from rkvjax.results import GenerationResult, GenerationStats, RunStats, ScoreResult
+    from rkvjax.runtime import Engine
+    from rkvjax.sampling_params import SamplingParams
+
+_HOMES = {
+    "CompressionConfig": "rkvjax.config",
+    "Engine": "rkvjax.runtime",
+    "GenerationResult": "rkvjax.results",
+    "GenerationStats": "rkvjax.results",
+    "Model": "rkvjax.loading",
+    "ModelConfig": "rkvjax.config",
+    "RunStats": "rkvjax.results",
+    "SamplingParams": "rkvjax.sampling_params",
+    "ScoreResult": "rkvjax.results",
+    "compression_config": "rkvjax.config",
+    "generate": "rkvjax.api",
+    "load": "rkvjax.loading",
+    "logits": "rkvjax.api",
+    "score": "rkvjax.api",
+}
+_SUBMODULES = ("compression", "evaluation", "jobs")
 
 __all__ = [
     "CompressionConfig",
@@ -27,3 +55,18 @@ __all__ = [
     "logits",
     "score",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"rkvjax.{name}")
+    elif name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    else:
+        raise AttributeError(f"module 'rkvjax' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

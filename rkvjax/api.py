@@ -7,12 +7,13 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
-from rkvjax import engine, requests, runtime
+from rkvjax import programs, requests, runtime
 from rkvjax.config import CompressionConfig, compression_config
 from rkvjax.loading import DEFAULT_MODEL, Model, as_dtype, load
 from rkvjax.results import GenerationResult, GenerationStats, ScoreResult
-from rkvjax.sampling import SamplingParams
+from rkvjax.sampling_params import SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 256
-# How much of the memory left after the weights the default slot count may take.
+# How much of a device's memory, less the weights, the default slot count may take.
 _MEMORY_SHARE = 0.5
 
 
@@ -82,30 +83,38 @@ def _slot_bytes(model: Model, capacity: int, window: int, penalties: bool) -> in
     return cfg.num_layers * per_layer + (5 * cfg.vocab_size if penalties else 0)
 
 
-def _memory_free() -> int | None:
-    """Bytes free on the first device (None when it does not say: then host memory)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def _device_memory(model: Model) -> int | None:
+    """Bytes one device has for slots: its memory (the limit a GPU or TPU reports; on CPU the
+    host's total) less the model's weights on it. Fixed for a model on a machine: the slot
+    count that follows from it, and so every compiled shape, does not move from run to run
+    with what else happens to be allocated. None when nothing says."""
+    leaves = [x for x in jax.tree.leaves(nnx.state(model.decoder)) if isinstance(x, jax.Array)]
+    dev = leaves[0].addressable_shards[0].device if leaves else jax.local_devices()[0]
+    total = (dev.memory_stats() or {}).get("bytes_limit")
+    if total is None:
+        try:
+            with open("/proc/meminfo") as f:
+                total = next(
+                    int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")
+                )
+        except (OSError, StopIteration):
+            return None
+    weights = sum(
+        shard.data.nbytes for x in leaves for shard in x.addressable_shards if shard.device == dev
+    )
+    return max(0, total - weights)
 
 
 def default_slots(model: Model, samples: int, capacity: int, window: int, penalties: bool) -> int:
-    """Every sample at once when their caches fit in half the free memory, else as many as do
-    (at least one per data shard)."""
-    free = _memory_free()
-    if free is None:
-        free = 1 << 62  # nothing to go by: every sample at once
-    fit = int(free * _MEMORY_SHARE * model.data_shards) // _slot_bytes(
-        model, capacity, window, penalties
-    )
+    """Every sample at once when their caches fit in half of each device's memory (less the
+    weights), else the largest power of two of rows that does (at least one per data shard).
+    Deterministic: the same call gets the same slots, so it compiles the same programs."""
+    memory = _device_memory(model)
+    fit = samples
+    if memory is not None:
+        per_slot = _slot_bytes(model, capacity, window, penalties)
+        fit = int(memory * _MEMORY_SHARE * model.data_shards) // per_slot
+        fit = 1 << (fit.bit_length() - 1) if fit else 0
     if jax.process_count() > 1:  # every process must build the same engine: process 0's count
         from jax.experimental import multihost_utils
 
@@ -249,8 +258,9 @@ def generate(
       sampling: one `SamplingParams` for every prompt or one per prompt (vLLM's names: n,
         temperature, top_p, top_k, min_p, penalties, seed, max_tokens, min_tokens, stop,
         stop_token_ids, ignore_eos, logprobs). Without it, the shorthand keywords below apply.
-      slots: rows decoded at once (default: every sample, when their caches fit in half the
-        free memory, else as many as fit). A finished row takes the next prompt at once.
+      slots: rows decoded at once (default: every sample, when their caches fit in half of a
+        device's memory less the weights, else the largest power of two of rows that does:
+        `default_slots`). A finished row takes the next prompt at once.
       budget: KV tokens kept per (layer, KV head, row) by a compressing method (window
         included): an int, or a float in (0, 1] as a fraction of the longest prompt + the
         longest max_tokens. None = FullKV.
@@ -323,14 +333,6 @@ def generate(
     ids = [
         requests.encode(model.tokenizer, p, chat, f"prompt {i}") for i, p in enumerate(prompt_list)
     ]
-    for i, (row, sp) in enumerate(zip(ids, params, strict=True)):
-        requests.validate_ids(
-            row,
-            vocab=model.config.vocab_size,
-            max_positions=model.config.max_positions,
-            max_tokens=sp.max_tokens,
-            where=f"prompt {i}",
-        )
     eng = engine_for(
         model,
         ids,
@@ -354,7 +356,10 @@ def generate(
         chat=chat,
         progress=progress,
     )
-    eng.submit_many(ids, params, ids=list(range(len(ids))))
+    # Checked here, once (before anything compiles), naming each prompt.
+    eng.submit_many(
+        ids, params, ids=list(range(len(ids))), where=[f"prompt {i}" for i in range(len(ids))]
+    )
     done = eng.run()
     run = eng.stats
     final = {
@@ -459,8 +464,8 @@ def logits(model: Model, token_ids) -> jax.Array:
     if arr.shape[1] > limit:
         raise ValueError(f"{arr.shape[1]} tokens exceed the model's {limit} positions")
     positions = np.broadcast_to(np.arange(arr.shape[1], dtype=np.int32), arr.shape)
-    with runtime._on_mesh(model):
-        return engine.forward_logits(
+    with runtime.on_mesh(model):
+        return programs.forward_logits(
             model.decoder,
             runtime.device_rows(model, arr.astype(np.int32)),
             runtime.device_rows(model, positions),

@@ -1,17 +1,15 @@
-"""Incremental detokenization and stop strings: each new token is decoded once, in a window.
+"""Stop strings: each new token is decoded once, and only the text it can complete is searched.
 
 Decoding a request's whole output after every chunk to look for stop strings is quadratic in
-its length (a 32K-token trace decoded 500 times). `StopWatcher` keeps vLLM's two offsets
-instead: the text of the tokens since `prefix` is decoded with and without the newest ones, and
-only the difference is appended (a token that ends inside a multi-byte character waits for the
-next). Stop strings are searched for only in the tail that the new text can complete.
+its length (a 32K-token trace decoded 500 times). `StopWatcher` feeds each token to the
+tokenizer's incremental decoder (`Tokenizer.stream`, the tokenizers library's DecodeStream, as
+vLLM's fast detokenizer does) and searches only the tail of the text that the new characters can
+complete. A token that ends inside a multi-byte character yields its text with the next one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-_INCOMPLETE = "\ufffd"  # what a byte-level BPE decode shows for a cut UTF-8 sequence
 
 
 def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
@@ -24,31 +22,32 @@ class StopWatcher:
     """Follows one generation token by token and reports the token that completes a stop string.
 
     Args:
-      tokenizer: the model's `Tokenizer` (its `decode(ids)`).
+      tokenizer: the model's `Tokenizer` (its `stream()`).
       stop: non-empty stop strings.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str]):
-        self._tok = tokenizer
+        self._step = tokenizer.stream()
         self._stop = tuple(stop)
-        self._longest = max(map(len, self._stop))
-        self._ids: list[int] = []
-        self._prefix = 0  # tokens before this are fully in `text`
-        self._read = 0  # tokens before this have been turned into text
-        self.text = ""
+        self._keep = max(map(len, self._stop)) - 1  # a stop string may start this far back
+        self._tail = ""  # the text's last characters: all a new stop string can overlap
+        self._count = 0  # tokens pushed
 
     def push(self, ids: Sequence[int]) -> int | None:
-        """Appends tokens; returns how many of all tokens pushed so far end at the first stop
-        string (that token included), or None while no stop string has appeared."""
-        for t in ids:
-            self._ids.append(int(t))
-            before = self._tok.decode(self._ids[self._prefix : self._read])
-            now = self._tok.decode(self._ids[self._prefix :])
-            if len(now) <= len(before) or now.endswith(_INCOMPLETE):
+        """Appends tokens (Python ints); returns how many of all tokens pushed so far end at the
+        first stop string (that token included), or None while no stop string has appeared."""
+        step, stop, keep = self._step, self._stop, self._keep
+        tail, count = self._tail, self._count
+        for t in ids:  # the host's hottest loop with stop strings on: kept to the bone
+            count += 1
+            text = step(t)
+            if not text:
                 continue  # no complete character yet
-            start = max(0, len(self.text) - self._longest + 1)
-            self.text += now[len(before) :]
-            self._prefix, self._read = self._read, len(self._ids)
-            if find_stop(self.text, self._stop, start) is not None:
-                return len(self._ids)
+            tail += text
+            if stop[0] in tail or (len(stop) > 1 and any(s in tail for s in stop)):
+                self._count = count
+                return count
+            if len(tail) > keep:
+                tail = tail[len(tail) - keep :] if keep else ""
+        self._tail, self._count = tail, count
         return None

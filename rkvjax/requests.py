@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from rkvjax.sampling import SamplingParams
+from rkvjax.sampling_params import SamplingParams
 
 MIN_BUCKET = 16
 # A chat message: its role, its text, and an assistant turn's reasoning (which templates of
@@ -22,12 +22,15 @@ _TEMPLATE_ROLES = ("tool",)  # roles a chat template must name to accept them
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One prompt and how to continue it: `sampling.n` samples, or one scored continuation."""
+    """One prompt and how to continue it: `sampling.n` samples, or one scored continuation.
+    Made by `prepare`, which checks it against what the engine can run."""
 
     id: Any
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     continuation: tuple[int, ...] | None = None  # teacher forcing (`rkvjax.score`)
+    stop_ids: tuple[int, ...] = ()  # token ids that end its samples (EOS unless ignore_eos)
+    block_ids: tuple[int, ...] = ()  # token ids min_tokens blocks (EOS even with ignore_eos)
 
     @property
     def max_tokens(self) -> int:
@@ -35,6 +38,111 @@ class Request:
         if self.continuation is not None:
             return len(self.continuation)
         return self.sampling.max_tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What an engine can run: everything a request is checked against before it is queued."""
+
+    vocab: int
+    max_positions: int
+    eos: tuple[int, ...]  # the model's end-of-sequence ids
+    window: int | None  # a compressing cache: prompts need this many tokens (None: FullKV)
+    capacity: int | None  # FullKV: cache slots per row (prompt + max_tokens - 1 at most)
+    logprobs: int | None  # the most logprobs a request may ask for (None: none)
+    penalties: bool  # repetition / presence / frequency penalties allowed
+    stop_width: int  # stop token ids per row, EOS included
+    teacher: bool = False  # scores continuations instead of sampling
+    given_len: int = 0  # teacher mode: the longest continuation
+
+
+def prepare(
+    prompt,
+    sampling: SamplingParams,
+    request_id: Any,
+    *,
+    tokenizer,
+    limits: Limits,
+    chat: bool | None = None,
+    continuation: Sequence[int] | None = None,
+    where: str | None = None,
+) -> Request:
+    """A prompt and its settings as a Request the engine can run: encoded (`encode`) and checked
+    against `limits`, once.
+
+    Raises:
+      ValueError: prefixed with `where` (default "request <id>"), for anything the engine
+        cannot run as asked.
+    """
+    where = where or f"request {request_id!r}"
+    sp = sampling
+    if not isinstance(sp, SamplingParams):
+        raise ValueError(f"{where}: sampling must be a SamplingParams, got {type(sp).__name__}")
+    ids = encode(tokenizer, prompt, chat, where)
+    if continuation is not None:
+        if not limits.teacher:
+            raise ValueError(
+                f"{where}: a continuation needs a scoring engine (Engine(teacher=True))"
+            )
+        continuation = tuple(int(t) for t in continuation)
+        if not continuation:
+            raise ValueError(f"{where}: an empty continuation has nothing to score")
+        if len(continuation) > limits.given_len:
+            raise ValueError(
+                f"{where}: a continuation of {len(continuation)} tokens is longer than this "
+                f"engine's given_len={limits.given_len}"
+            )
+        bad = [t for t in continuation if not 0 <= t < limits.vocab]
+        if bad:
+            raise ValueError(f"{where}: continuation token id(s) {bad[:5]} outside the vocabulary")
+    elif limits.teacher:
+        raise ValueError(f"{where}: a scoring engine needs a continuation")
+    max_tokens = len(continuation) if continuation is not None else sp.max_tokens
+    validate_ids(
+        ids,
+        vocab=limits.vocab,
+        max_positions=limits.max_positions,
+        max_tokens=max_tokens,
+        where=where,
+    )
+    if limits.window is not None and len(ids) < limits.window:
+        raise ValueError(
+            f"{where}: a prompt of {len(ids)} tokens is shorter than window={limits.window}: "
+            "compression needs that many observation queries"
+        )
+    if limits.capacity is not None and len(ids) + max_tokens - 1 > limits.capacity:
+        raise ValueError(
+            f"{where}: {len(ids)} prompt tokens + max_tokens={max_tokens} need "
+            f"{len(ids) + max_tokens - 1} FullKV cache slots; this engine has "
+            f"max_len={limits.capacity}"
+        )
+    if sp.logprobs is not None and sp.logprobs > limits.vocab:
+        raise ValueError(
+            f"{where}: logprobs={sp.logprobs} asks for more tokens than the vocabulary's "
+            f"{limits.vocab}"
+        )
+    if sp.logprobs is not None and (limits.logprobs is None or sp.logprobs > limits.logprobs):
+        raise ValueError(
+            f"{where}: logprobs={sp.logprobs} exceeds this engine's logprobs={limits.logprobs} "
+            "(Engine(logprobs=...))"
+        )
+    if sp.uses_penalties and not limits.penalties:
+        raise ValueError(f"{where}: penalties need Engine(penalties=True)")
+    if continuation is not None:  # teacher forcing: nothing is sampled or stopped
+        return Request(request_id, tuple(ids), sp, continuation)
+    if sp.stop and tokenizer is None:
+        raise ValueError(f"{where}: stop strings need a tokenizer; use stop_token_ids")
+    for text in sp.stop:
+        check_unicode(text, f"{where}: stop string")
+    for t in sp.stop_token_ids:
+        token_id(t, limits.vocab, f"{where}: stop_token_ids")
+    block = sp.min_tokens_stop_ids(limits.eos)
+    if len(block) > limits.stop_width:
+        raise ValueError(
+            f"{where}: {len(block)} stop token ids (end-of-sequence included) exceed this "
+            f"engine's stop_width={limits.stop_width}"
+        )
+    return Request(request_id, tuple(ids), sp, None, sp.stopping_token_ids(limits.eos), block)
 
 
 def bucket(n: int, limit: int) -> int:
@@ -67,10 +175,11 @@ def _is_ids(x) -> bool:
     """Whether x is a 1-D sequence of ints (a list, tuple or integer NumPy array)."""
     if isinstance(x, np.ndarray):
         return x.ndim == 1 and np.issubdtype(x.dtype, np.integer)
-    return (
-        isinstance(x, Sequence)
-        and not isinstance(x, (str, bytes, bytearray))
-        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x)
+    if not isinstance(x, Sequence) or isinstance(x, (str, bytes, bytearray)):
+        return False
+    # Plain ints first: the ABC check below costs about 1 us a token.
+    return all(type(t) is int for t in x) or all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x
     )
 
 
@@ -243,7 +352,7 @@ def validate_ids(
     prefix = f"{where}: " if where else ""
     if not len(ids):
         raise ValueError(f"{where or 'the prompt'} is empty")
-    bad = [t for t in ids if not 0 <= t < vocab]
+    bad = [t for t in ids if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
     if bad:
         raise ValueError(f"{prefix}token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
     if len(ids) + max_tokens > max_positions:

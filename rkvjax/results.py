@@ -90,8 +90,9 @@ class RunStats:
     rows_compressed_per_step: float  # compressions / decode steps
     stalled_row_steps: int  # row-steps spent waiting for a compression lane
     wall_s: float
-    compile_s: float
+    compile_s: float  # this engine's own compilation during the run
     tokens_per_s: float  # generated tokens / (wall_s - compile_s)
+    compiled_programs: int = 0  # programs this engine compiled (its lifetime)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

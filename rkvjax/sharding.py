@@ -231,4 +231,7 @@ def to_host(tree: Any) -> Any:
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return jax.device_get(x)
 
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)  # one call: the host loop fetches every chunk's outputs
     return jax.tree.map(get, tree)

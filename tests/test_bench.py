@@ -162,7 +162,7 @@ def test_random_init_and_a_filled_cache():
     import numpy as np
 
     from bench import scale
-    from rkvjax import engine, loading
+    from rkvjax import loading, programs
 
     config = common.tiny_checkpoint() / "config.json"
     model = loading.random_init(config, dtype="float32")
@@ -181,7 +181,7 @@ def test_random_init_and_a_filled_cache():
     want = np.where(np.arange(eng.capacity) < eng.capacity - 1, np.arange(eng.capacity), -1)
     assert (pos == want).all() and (np.asarray(state.cache.length) == eng.capacity - 1).all()
     before = np.asarray(state.compressions)
-    state, _ = engine.decode(model.decoder, state, steps=eng.chunk, plan=eng.plan)
+    state, _ = programs.decode(model.decoder, state, steps=eng.chunk, plan=eng.plan)
     assert (np.asarray(state.compressions) > before).all()
     assert (np.asarray(state.cache.length) < eng.capacity).all()
 

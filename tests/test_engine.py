@@ -10,7 +10,7 @@ import pytest
 
 import rkvjax
 from rkvjax import cache as kv
-from rkvjax import engine
+from rkvjax import programs
 from rkvjax.config import CompressionConfig
 from rkvjax.sampling import SamplingParams, SlotSampling
 from tests.hf_tiny import VOCAB
@@ -31,7 +31,7 @@ def _prompts(lengths, seed=0):
 @jax.jit
 def _decode_logits(decoder, c: kv.KVCache, token):
     """One cached decode step returning its logits [B, V] (test-only view of the engine step)."""
-    x, c = decoder.hidden(token[:, None], c.pos[:, None], engine._cache_attend, c)
+    x, c = decoder.hidden(token[:, None], c.pos[:, None], programs._cache_attend, c)
     return decoder.head(x)[:, 0], kv.advance(c)
 
 
@@ -48,8 +48,8 @@ def test_cached_decode_equals_full_forward(tiny_checkpoint, dtype):
     for r, row in enumerate(rows):
         tokens[r, p - len(row) :] = row
         pos[r, p - len(row) :] = np.arange(len(row))
-    plan = engine.Plan(compression=CompressionConfig())
-    group = engine.prefill(
+    plan = programs.Plan(compression=CompressionConfig())
+    group = programs.prefill(
         model.decoder, jnp.asarray(tokens), jnp.asarray(pos), capacity=p + 20, plan=plan
     )
     full = [
@@ -88,16 +88,16 @@ def _top_level_ops(hlo: str) -> list[tuple[str, int, str]]:
     return ops
 
 
-def _admitted(decoder, batch: int, capacity: int, plan: engine.Plan) -> engine.SlotState:
+def _admitted(decoder, batch: int, capacity: int, plan: programs.Plan) -> programs.SlotState:
     """A runtime state whose `batch` slots each hold a 5-token prompt (8 tokens to make)."""
-    state = engine.init_state(
+    state = programs.init_state(
         decoder, slots=batch, capacity=capacity, stop_width=1, given_len=0, plan=plan
     )
     tokens = jnp.asarray(_prompts([5] * batch), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (batch, 5))
-    group = engine.prefill(decoder, tokens, pos, capacity=capacity, plan=plan)
+    group = programs.prefill(decoder, tokens, pos, capacity=capacity, plan=plan)
     none = jnp.full((batch, 1), -1, jnp.int32)
-    new = engine.NewRows(
+    new = programs.NewRows(
         max_tokens=jnp.full((batch,), 8, jnp.int32),
         stop_ids=none,
         block_ids=none,
@@ -105,14 +105,14 @@ def _admitted(decoder, batch: int, capacity: int, plan: engine.Plan) -> engine.S
         given=jnp.zeros((batch, 0), jnp.int32),
     )
     rows = jnp.arange(batch, dtype=jnp.int32)
-    return engine.insert(state, group, rows, rows, new, plan=plan)[0]
+    return programs.insert(state, group, rows, rows, new, plan=plan)[0]
 
 
 def _compiled_decode(decoder, batch: int, capacity: int) -> str:
     """The optimized HLO of a 4-step decode call after a 5-token prefill of `batch` rows."""
-    plan = engine.Plan(compression=CompressionConfig())
+    plan = programs.Plan(compression=CompressionConfig())
     state = _admitted(decoder, batch, capacity, plan)
-    return engine.decode.lower(decoder, state, steps=4, plan=plan).compile().as_text()
+    return programs.decode.lower(decoder, state, steps=4, plan=plan).compile().as_text()
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own fusion decisions")
@@ -159,10 +159,10 @@ def test_decode_copies_no_weight(tiny_checkpoint, batch, dtype):
 
 
 def test_decode_compiles_once_across_chunks(model):
-    engine.TRACES.clear()
+    programs.TRACES.clear()
     rkvjax.generate(model, _prompts([7, 7]), max_new_tokens=200, ignore_eos=True)  # 4 chunks
     rkvjax.generate(model, _prompts([6, 5], seed=1), max_new_tokens=200, ignore_eos=True)
-    assert engine.TRACES == {"init_state": 1, "prefill": 1, "insert": 1, "decode": 1}
+    assert programs.TRACES == {"init_state": 1, "prefill": 1, "insert": 1, "decode": 1}
 
 
 def test_stop_token_ends_row_and_others_continue(model):

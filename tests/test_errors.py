@@ -168,7 +168,7 @@ def test_bad_prompts(model, prompts, match):
         (
             [1, 2, 3],
             dict(sampling=rkvjax.SamplingParams(logprobs=98)),
-            "request 0: logprobs=98 asks for more tokens than the vocabulary's 97",
+            "prompt 0: logprobs=98 asks for more tokens than the vocabulary's 97",
         ),
         (
             [{"role": "user", "content": "x", "name": "al"}],

@@ -20,7 +20,7 @@ import pytest
 import rkvjax
 from rkvjax import cache as kv
 from rkvjax import compression as C
-from rkvjax import engine, policy
+from rkvjax import policy, programs
 from rkvjax.config import CompressionConfig, compression_config
 from rkvjax.layers import as_storage
 from tests.hf_tiny import VOCAB
@@ -58,7 +58,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 @jax.jit
 def _hidden_qkv(decoder, tokens, positions):
     """Per-layer (q, k, v) of a cache-free forward: q [B, T, N, H], k and v [B, T, K, H]."""
-    return decoder.hidden(tokens, positions, engine._causal_attend(positions), ())[1]
+    return decoder.hidden(tokens, positions, programs._causal_attend(positions), ())[1]
 
 
 def _full_qk(model, seqs: list[list[int]], length: int) -> tuple[list, list]:
@@ -339,11 +339,11 @@ LONG_KW = dict(method="rkv", budget=BUDGET, buffer=BUFFER, lam=0.2, max_new_toke
 def long_runs(llama):
     """Two 300-token rkv generations over one prompt bucket (many compressions, five decode
     chunks): (first results, second results, traces added by the first, by the second)."""
-    before = collections.Counter(engine.TRACES)
+    before = collections.Counter(programs.TRACES)
     first = rkvjax.generate(llama, [_prompt(11, 31), _prompt(16, 32)], **LONG_KW)
-    middle = collections.Counter(engine.TRACES)
+    middle = collections.Counter(programs.TRACES)
     second = rkvjax.generate(llama, [_prompt(12, 33), _prompt(15, 34)], **LONG_KW)
-    after = collections.Counter(engine.TRACES)
+    after = collections.Counter(programs.TRACES)
     return first, second, middle - before, after - middle
 
 
@@ -549,21 +549,21 @@ def test_bad_settings_rejected_before_tracing(llama, kwargs, match):
     """Each bad setting raises a ValueError naming it, before prefill or decode is traced."""
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", _prompt(20, 61))
-    before = collections.Counter(engine.TRACES)
+    before = collections.Counter(programs.TRACES)
     with pytest.raises(ValueError, match=match):
         rkvjax.generate(llama, prompt, max_new_tokens=16, **kwargs)
-    assert before == engine.TRACES
+    assert before == programs.TRACES
 
 
 def test_bad_score_settings_rejected_before_tracing(llama):
     """score() validates like generate(): a budget within the window, a prompt shorter than it."""
     seq = _prompt(30, 62)
-    before = collections.Counter(engine.TRACES)
+    before = collections.Counter(programs.TRACES)
     with pytest.raises(ValueError, match="must be larger than window"):
         rkvjax.score(llama, seq, prompt_len=20, budget=8)
     with pytest.raises(ValueError, match="shorter than window=8"):
         rkvjax.score(llama, seq, prompt_len=5, budget=16)
-    assert before == engine.TRACES
+    assert before == programs.TRACES
 
 
 # ---------------------------------------------------------------------------------------------

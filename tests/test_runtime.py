@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import engine
+from rkvjax import programs
 from rkvjax.config import compression_config
 from rkvjax.detokenize import StopWatcher, find_stop
 from rkvjax.sampling import SamplingParams
@@ -206,10 +206,10 @@ def test_no_recompilation_across_admissions_and_compressions(llama):
         SamplingParams(temperature=t, top_p=q, seed=i, max_tokens=m, ignore_eos=True)
         for i, (t, q, m) in enumerate([*settings, (0.0, 1.0, 33)])
     ]
-    before = collections.Counter(engine.TRACES)
+    before = collections.Counter(programs.TRACES)
     eng.submit_many(prompts, params)
     out = eng.run()
-    traced = collections.Counter(engine.TRACES) - before
+    traced = collections.Counter(programs.TRACES) - before
     assert eng.stats.prefills == 6 >= 3
     assert sum(r.stats.compressions for r in out) >= 10
     assert traced == collections.Counter(init_state=1, prefill=1, insert=1, decode=1)
@@ -314,9 +314,8 @@ def _rounds(eng: rkvjax.Engine, events) -> dict:
     condition first holds, runs its action (a submission between rounds, as a server makes
     them), then waits for the next event's. -> {request id: result}."""
     got, events = {}, list(events)
-    eng._start()
-    while eng._queue or eng.busy_slots or eng._events:
-        got |= {res.request_id: res for res in eng._pump()}
+    while eng.has_work:
+        got |= {res.request_id: res for res in eng.step()}
         if events and events[0][0](got):
             events.pop(0)[1]()
     assert not events, "an event's condition never held"
@@ -419,7 +418,7 @@ def test_tail_admits_late_requests_into_its_free_rows(llama):
 def test_engine_rejects_what_it_cannot_run(llama):
     """Bad requests fail at submit with a line naming the request, before anything runs."""
     eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
-    before = collections.Counter(engine.TRACES)
+    before = collections.Counter(programs.TRACES)
     cases = [
         (dict(prompt=[1, 2, 3]), "shorter than window=8"),
         (dict(prompt=_prompt(12, 0), sampling=SamplingParams(logprobs=2)), "logprobs=2"),
@@ -437,7 +436,7 @@ def test_engine_rejects_what_it_cannot_run(llama):
         rkvjax.Engine(llama, slots=2, max_len=64).submit(_prompt(12, 0), _greedy(128))
     with pytest.raises(ValueError, match="either as sampling"):
         rkvjax.generate(llama, _prompt(12, 0), sampling=_greedy(4), temperature=0.5)
-    assert collections.Counter(engine.TRACES) == before
+    assert collections.Counter(programs.TRACES) == before
 
 
 @pytest.mark.slow
@@ -552,3 +551,89 @@ def test_engine_request_ids_and_prompt_lists(llama):
     assert got == {0, auto, *pair, single}
     eng.submit(_prompt(10, 8), _greedy(2), request_id=5)  # finished ids can be used again
     assert [r.request_id for r in eng.run()] == [5]
+
+
+# -- the executor: transfers, compile time, profiles ------------------------------------------
+
+
+def test_a_workload_runs_with_only_the_executors_transfers(llama):
+    """Continuous batching (5 requests through 2 rows, R-KV compressing, n = 2, a row refilled
+    after each finishes) under `jax.transfer_guard("disallow")`: every host-to-device transfer
+    is one of the executor's explicit ones, one per insert (its prefill's prompts included),
+    and the tokens are those of a run without the guard."""
+    cc = compression_config("rkv", BUDGET, buffer=BUFFER)
+    prompts = [_prompt(n, seed=300 + i) for i, n in enumerate((9, 30, 12, 20, 11))]
+    params = [_greedy(m) for m in (21, 5, 14, 9, 12)]
+    params[2] = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=10, ignore_eos=True)
+
+    def run(guard: str):
+        eng = rkvjax.Engine(llama, slots=2, cache=cc)
+        calls = collections.Counter()
+        for name in ("insert", "dispatch"):
+            real = getattr(eng.executor, name)
+            setattr(eng.executor, name, _counted(real, name, calls))
+        eng.submit_many(prompts, params)
+        with jax.transfer_guard(guard):
+            out = sorted(eng.run(), key=lambda r: (r.request_id, r.sample_index))
+        return [r.token_ids for r in out], eng, calls
+
+    want, _, _ = run("allow")
+    got, eng, calls = run("disallow")
+    assert got == want
+    t = eng.executor.transfers
+    assert calls["insert"] >= 5 and t["insert"] == calls["insert"]  # one per insert
+    assert t["chunk"] == calls["dispatch"]  # and one per chunk: its early-stop count
+    assert set(t) <= {"insert", "chunk", "release", "resize"}
+
+
+def _counted(fn, name: str, calls: collections.Counter):
+    def counted(*args):
+        calls[name] += 1
+        return fn(*args)
+
+    return counted
+
+
+def test_two_engines_in_one_process_count_their_own_compilation(llama):
+    """Two engines taking turns round by round in one thread each report the programs and
+    compile time of their own calls: the programs each compiles alone, and together the whole
+    of the process's compilation, none of it twice (before, each counted the process's)."""
+    prompts = [_prompt(n, seed=400 + i) for i, n in enumerate((9, 21, 13))]
+
+    def engines():
+        a = rkvjax.Engine(llama, slots=3, cache=compression_config("rkv", 13, buffer=7))
+        b = rkvjax.Engine(llama, slots=5, cache=None, max_len=77)
+        for eng in (a, b):
+            eng.submit_many(prompts, [_greedy(6), _greedy(9), _greedy(4)])
+        return a, b
+
+    alone = {}
+    for i in range(2):
+        jax.clear_caches()  # each measurement compiles from nothing
+        eng = engines()[i]
+        eng.run()
+        alone[i] = eng.stats.compiled_programs
+    jax.clear_caches()
+    a, b = engines()
+    c0 = programs.compile_seconds()
+    while a.has_work or b.has_work:  # taking turns
+        for eng in (a, b):
+            if eng.has_work:
+                eng.step()
+    total = programs.compile_seconds() - c0
+    assert (a.stats.compiled_programs, b.stats.compiled_programs) == (alone[0], alone[1])
+    assert min(alone.values()) > 0
+    assert a.stats.compile_s + b.stats.compile_s == pytest.approx(total, rel=1e-6)
+    assert 0 < a.stats.compile_s < total and 0 < b.stats.compile_s < total
+
+
+def test_a_decode_step_profiles_by_block(llama):
+    """The decode chunk's operations carry the names of the blocks they come from, so a
+    profile separates attention, the MLP, compression, the cache append and sampling."""
+    eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
+    lowered = programs.decode.lower(
+        llama.decoder, eng.state_shapes(), steps=eng.chunk, plan=eng.plan
+    )
+    text = lowered.as_text(debug_info=True)
+    for scope in ("attention", "mlp", "compress", "cache_append", "sample"):
+        assert f"{scope}/" in text, scope

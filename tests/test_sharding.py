@@ -10,7 +10,7 @@ import pytest
 
 import rkvjax
 from rkvjax import cache as kv
-from rkvjax import cli, engine, policy, runtime, sharding
+from rkvjax import cli, policy, programs, runtime, sharding
 from rkvjax.config import CompressionConfig
 from rkvjax.layers import as_storage
 from tests.hf_tiny import VOCAB
@@ -134,7 +134,8 @@ def test_tail_narrows_on_a_mesh(load_sharded, single):
     eng = rkvjax.Engine(mesh_model, slots=8, cache=rkvjax.compression_config("rkv", 16, buffer=8))
     with jax.set_mesh(mesh_model.mesh):
         rows = runtime.device_rows(mesh_model, np.asarray([1, 3, 0, 2], np.int32))
-        hlo = engine.take_rows.lower(eng._empty_state(), rows, plan=eng._plan_of(4)).compile()
+        state, plan = eng.executor.empty_state(), eng.executor.plan_of(4)
+        hlo = programs.take_rows.lower(state, rows, plan=plan).compile()
     assert not [op for op in COLLECTIVES if op in hlo.as_text()]
 
 
@@ -183,7 +184,7 @@ def test_compression_compiles_without_collectives():
 def _compiled_decode_on_mesh(model, monkeypatch) -> str:
     """Optimized HLO of the decode chunk `generate` runs for PROMPTS on `model`'s mesh."""
     seen = []
-    real = engine.decode
+    real = programs.decode
 
     def spy(decoder, state, *, steps, plan, **kw):
         shapes = jax.tree.map(
@@ -192,7 +193,7 @@ def _compiled_decode_on_mesh(model, monkeypatch) -> str:
         seen.append((shapes, plan))
         return real(decoder, state, steps=steps, plan=plan, **kw)
 
-    monkeypatch.setattr(engine, "decode", spy)
+    monkeypatch.setattr(programs, "decode", spy)
     rkvjax.generate(model, PROMPTS, method="rkv", **GEN)
     state, plan = seen[0]
     with jax.set_mesh(model.mesh):

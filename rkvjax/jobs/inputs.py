@@ -25,7 +25,7 @@ from typing import Any
 from rkvjax import requests
 from rkvjax.jobs import openai_batch
 from rkvjax.jobs.quote import show, unknown
-from rkvjax.sampling import MAX_SEED, SamplingParams
+from rkvjax.sampling_params import MAX_SEED, SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")

@@ -109,6 +109,7 @@ class EngineRunner(Runner):
         self.order = order
         self.model_name = model.path.name
         self._ids: dict[Any, list[int]] = {}
+        self._ready: dict[Any, Any] = {}  # id -> the engine's checked request (`check`)
         self.engine = None
 
     def _encode(self, r: Request, where: str) -> list[int]:
@@ -134,7 +135,10 @@ class EngineRunner(Runner):
         return {"cache_budget": cc.budget if cc.compressing else None}
 
     def check(self, r: Request, where: str) -> None:
-        self.engine.check(self._ids[r.id], r.sampling, where=where)
+        # Kept: the run submits what was checked here, without checking it again.
+        self._ready[r.id] = self.engine.prepare(
+            self._ids[r.id], r.sampling, request_id=r.id, where=where
+        )
 
     def run(self, reqs: list[Request]) -> Iterator[tuple[Request, dict[str, Any]]]:
         if not reqs:
@@ -143,10 +147,7 @@ class EngineRunner(Runner):
             reqs = sorted(reqs, key=lambda r: -r.sampling.max_tokens)  # stable: ties keep order
         by_id = {r.id: r for r in reqs}
         self.engine.submit_many(
-            [self._ids[r.id] for r in reqs],
-            [r.sampling for r in reqs],
-            ids=list(by_id),
-            samples=[r.sample_indices for r in reqs],
+            [self._ready[r.id] for r in reqs], samples=[r.sample_indices for r in reqs]
         )
         for res in self.engine.results():
             yield by_id[res.request_id], sample_record(res)

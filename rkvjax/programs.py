@@ -5,18 +5,24 @@ sampling settings as arrays (`SlotState`), so requests with different prompts, l
 settings share one compiled program. Between decode chunks the host prefills new requests
 (`prefill`, bucketed in rows and prompt length) and scatters them into free slots (`insert`);
 `decode` then runs up to `steps` steps as a `lax.while_loop` on device and returns the chunk's
-new tokens (`ChunkOut`). Only rows whose cache is full run a compression, in a fixed number of
-lanes per step (`policy.compress_lanes`).
+new tokens and counters (`Tokens`). Only rows whose cache is full run a compression, in a fixed
+number of lanes per step (`policy.compress_lanes`). `rkvjax.runtime` drives these programs;
+nothing here knows about requests.
 
 The model arrives as a pytree argument (a Flax NNX module; its config is static pytree metadata),
-never as a static argument or a closure.
+never as a static argument or a closure. Each block of a step runs under a `jax.named_scope`
+("attention", "mlp" in the model; "compress", "cache_append", "sample" here), so a profile of a
+decode step reads as the step does.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -31,11 +37,31 @@ from rkvjax.config import CompressionConfig
 TRACES: collections.Counter[str] = collections.Counter()
 _COMPILE_S = [0.0]
 _NONE = jnp.iinfo(jnp.int32).max  # a row index that scatters drop
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # one per program compiled
+
+
+@dataclasses.dataclass
+class CompileLog:
+    """Compilation done on behalf of one owner (a runtime's executor): seconds spent tracing,
+    lowering and compiling, and programs compiled."""
+
+    seconds: float = 0.0
+    programs: int = 0
+
+
+_SINK = threading.local()  # the CompileLog of the code compiling on this thread, if any
 
 
 def _on_jax_event(name: str, secs: float, **_) -> None:
+    # JAX records these on the thread that compiles, inside the call that needed the program,
+    # so the thread's current log is the caller's: two runtimes in one process (even taking
+    # turns in one thread) each count only their own programs.
     if name.startswith("/jax/core/compile/"):  # tracing, lowering and XLA compilation
         _COMPILE_S[0] += secs
+        log = getattr(_SINK, "log", None)
+        if log is not None:
+            log.seconds += secs
+            log.programs += name == _BACKEND_COMPILE
 
 
 monitoring.register_event_duration_secs_listener(_on_jax_event)
@@ -44,6 +70,17 @@ monitoring.register_event_duration_secs_listener(_on_jax_event)
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far; timing code subtracts deltas of it."""
     return _COMPILE_S[0]
+
+
+@contextlib.contextmanager
+def compiling_for(log: CompileLog) -> Iterator[CompileLog]:
+    """Counts the compilation this thread does inside the block into `log`."""
+    outer = getattr(_SINK, "log", None)
+    _SINK.log = log
+    try:
+        yield log
+    finally:
+        _SINK.log = outer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,6 +190,31 @@ class Tokens:
     stalled: jax.Array  # [] int32 row-steps that waited for a lane
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Flat:
+    """A model as its flat list of weights and the tree structure they came from (static).
+
+    Every program call flattens its arguments. Flattening the NNX decoder walks its modules in
+    Python (0.7 ms for the default model's 212 weights, on every decode chunk and insert);
+    flattening a list is a C++ loop. Programs take either form (`_model`).
+    """
+
+    leaves: list
+    treedef: Any = dataclasses.field(metadata=dict(static=True))
+
+
+def flat(model) -> Flat:
+    """The model (an NNX decoder) as a `Flat`, once, for a runtime that calls it often."""
+    leaves, treedef = jax.tree.flatten(model)
+    return Flat(leaves, treedef)
+
+
+def _model(model):
+    """The decoder a program runs: rebuilt from a `Flat` at trace time, or given as is."""
+    return jax.tree.unflatten(model.treedef, model.leaves) if isinstance(model, Flat) else model
+
+
 def _per_row(s: SlotState) -> SlotState:
     """The leaves with a leading row axis: all but the cache (rows of its own) and the step."""
     return dataclasses.replace(s, cache=None, step=None)
@@ -190,7 +252,8 @@ def _causal_attend(positions: jax.Array):
 
 def _cache_attend(i, q, k, v, cache: kv.KVCache, rules=None, go=None):
     """attend() for decode: append this token to the cache (rows in `go`), then attend."""
-    cache = kv.write(cache, i, q, k, v, rules, go)
+    with jax.named_scope("cache_append"):
+        cache = kv.write(cache, i, q, k, v, rules, go)
     out = layers.attention(q, cache.keys(i), cache.values(i), cache.attend_mask(i), kv_axis=2)
     return out, cache
 
@@ -199,6 +262,7 @@ def _cache_attend(i, q, k, v, cache: kv.KVCache, rules=None, go=None):
 def forward_logits(model, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     """tokens, positions [B, T] -> logits [B, T, V] float32 (no cache)."""
     TRACES["forward_logits"] += 1
+    model = _model(model)
     x, _ = model.hidden(tokens, positions, _causal_attend(positions), ())
     return model.head(x)
 
@@ -209,6 +273,7 @@ def forward_logits(model, tokens: jax.Array, positions: jax.Array) -> jax.Array:
 def init_state(model, *, slots, capacity, stop_width, given_len, plan: Plan) -> SlotState:
     """An empty state of `slots` rows (no request in any), laid out as every call returns it."""
     TRACES["init_state"] += 1
+    model = _model(model)
     cfg, cc = model.cfg, plan.compression
     dtype = model.embed[...].dtype
     cache = kv.empty(cfg, slots, capacity, dtype, cc.window if cc.compressing else 0)
@@ -250,6 +315,7 @@ def prefill(model, tokens: jax.Array, positions: jax.Array, *, capacity: int, pl
       A Prefilled group of k rows.
     """
     TRACES["prefill"] += 1
+    model = _model(model)
     cc = plan.compression
     x, qkvs = model.hidden(tokens, positions, _causal_attend(positions), ())
     logits = model.head(x[:, -1:])[:, 0]  # [k, V]; left padding puts every row's last token here
@@ -394,11 +460,12 @@ def _next_tokens(logits, s_sampling, num, block_ids, given, counts, seen, go, co
     """
 
     def body(logits, s_sampling, num, block_ids, given, counts, seen, go, col, bufs):
-        tok, logp, top, top1, dist = _choose(
-            logits, s_sampling, num, block_ids, given, counts, seen, plan
-        )
-        bufs = _emit(bufs, col, go, tok, logp, top, top1, dist)
-        return tok, _count(counts, tok, go, plan), bufs
+        with jax.named_scope("sample"):
+            tok, logp, top, top1, dist = _choose(
+                logits, s_sampling, num, block_ids, given, counts, seen, plan
+            )
+            bufs = _emit(bufs, col, go, tok, logp, top, top1, dist)
+            return tok, _count(counts, tok, go, plan), bufs
 
     args = (logits, s_sampling, num, block_ids, given, counts, seen, go, col, bufs)
     if plan.rules is None:
@@ -544,10 +611,11 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
     waiting = jnp.zeros((b,), bool)
     fired = jnp.zeros((b,), bool)
     if cc.compressing:
-        full = policy.full_rows(cache, cc, s.thinking, s.active)
-        cache, fired, lane_rows, lane_num, log = policy.compress_lanes(
-            cache, full, cc, lanes=plan.lanes, start=s.step, num=s.num, rules=plan.rules
-        )
+        with jax.named_scope("compress"):
+            full = policy.full_rows(cache, cc, s.thinking, s.active)
+            cache, fired, lane_rows, lane_num, log = policy.compress_lanes(
+                cache, full, cc, lanes=plan.lanes, start=s.step, num=s.num, rules=plan.rules
+            )
         waiting = full & ~fired
         o = dataclasses.replace(
             o,
@@ -625,6 +693,7 @@ def decode(
       (state, Tokens [B, steps]: each row's new tokens and the chunk's counters).
     """
     TRACES["decode"] += 1
+    model = _model(model)
     cc = plan.compression
     b = state.active.shape[0]
     data = 1

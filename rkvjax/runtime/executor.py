@@ -1,0 +1,328 @@
+"""The device side of the slot runtime: the state, the compiled programs, every transfer.
+
+The executor owns the `programs.SlotState` of the runtime's rows and runs the jitted programs of
+`rkvjax.programs` on it as the scheduler's plans say. Host data reaches the device only through
+`put`: one explicit `jax.device_put` of a NumPy pytree per insert (its group's prompts included
+when the insert comes with a new prefill), one per decode chunk (the early-stop count) and per
+release or resize, so a whole workload runs under `jax.transfer_guard("disallow")`. A chunk's
+outputs start copying to the host the moment it is dispatched; the host parses them a round
+later, while the next chunk runs. The compilation its calls cause is counted in its own
+`CompileLog`, so two runtimes in one process each report their own compile time.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rkvjax import policy, programs, requests, sharding
+from rkvjax.loading import Model
+from rkvjax.runtime.samples import Sample
+from rkvjax.runtime.scheduler import Admission, Insert, Resize
+from rkvjax.sampling import SlotSampling
+
+
+def on_mesh(model: Model):
+    """The model's mesh as the context mesh (jit traces see it; shard_map runs over it)."""
+    return contextlib.nullcontext() if model.mesh is None else jax.set_mesh(model.mesh)
+
+
+def _row_sharding(model: Model, x: np.ndarray):
+    """Where a host [B, ...] array goes: rows split over "data" when they divide, else whole
+    on every device; None on one device."""
+    if model.mesh is None:
+        return None
+    axes = ("batch",) if x.ndim and x.shape[0] % model.data_shards == 0 else (None,)
+    return model.rules.named(model.mesh, *axes, *[None] * (x.ndim - 1))
+
+
+def _whole(model: Model, x: np.ndarray):
+    """Whole on every device (small per-request values); None on one device."""
+    if model.mesh is None:
+        return None
+    return model.rules.named(model.mesh, *[None] * x.ndim)
+
+
+def transfer(tree: Any, shardings: Any = None) -> Any:
+    """Host arrays to the device in one explicit transfer: each leaf to its sharding (a tree of
+    them like `tree`), or everything to the default device (None). On several processes each
+    process fills its own devices' blocks."""
+    if shardings is None or jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(lambda x, s: sharding.host_array(np.asarray(x), s), tree, shardings)
+
+
+def device_rows(model: Model, x) -> jax.Array:
+    """A host [B, ...] array on device: rows split over "data" on a mesh when they divide,
+    else whole on every device."""
+    x = np.asarray(x)
+    return transfer(x, _row_sharding(model, x))
+
+
+def _start_copies(tree: Any) -> None:
+    """Starts copying the arrays of `tree` to the host, so that a later fetch waits less."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and x.is_fully_addressable:
+            x.copy_to_host_async()
+
+
+def _tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Inserted:
+    """An insert's device outputs: each new row's first token (`programs.Tokens` [R, 1]) and,
+    when compressions are recorded, what its group's prefill compression kept."""
+
+    first: programs.Tokens
+    kept: jax.Array | None
+
+
+class Executor:
+    """The runtime's device state and programs (see the module docstring).
+
+    Args:
+      model: from `rkvjax.load`.
+      plan: the full-width state's static plan.
+      slots: rows of the full-width state.
+      capacity, stop_width, given_len: the state's shapes (`programs.init_state`).
+      chunk: decode steps per chunk.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        plan: programs.Plan,
+        *,
+        slots: int,
+        capacity: int,
+        stop_width: int,
+        given_len: int,
+        chunk: int,
+    ):
+        self.model = model
+        self.decoder = programs.flat(model.decoder)  # flattened once, not at every call
+        self.plan = plan
+        self.slots = slots
+        self.capacity = capacity
+        self.stop_width = stop_width
+        self.given_len = given_len
+        self.chunk = chunk
+        self.state: programs.SlotState | None = None
+        self.width = slots
+        self.compile = programs.CompileLog()
+        self.transfers: collections.Counter[str] = collections.Counter()  # host-to-device calls
+        self._groups: dict[int, programs.Prefilled] = {}
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The model's mesh as the context mesh, and compilation counted as this executor's."""
+        with on_mesh(self.model), programs.compiling_for(self.compile):
+            yield
+
+    def put(self, tree: Any, shardings: Any, kind: str) -> Any:
+        """The executor's one way to the device: `tree` (NumPy) in one explicit transfer."""
+        self.transfers[kind] += 1
+        return transfer(tree, shardings)
+
+    def plan_of(self, width: int) -> programs.Plan:
+        """The plan of a `width`-row state: the full width's, with no more lanes than rows."""
+        if width == self.slots:
+            return self.plan
+        lanes = max(1, min(self.plan.lanes, width // self.model.data_shards))
+        return dataclasses.replace(self.plan, lanes=lanes)
+
+    def empty_state(self, width: int | None = None) -> programs.SlotState:
+        """Nothing in any row: every slot, or `width` rows of a narrowed run."""
+        width = self.slots if width is None else width
+        return programs.init_state(
+            self.decoder,
+            slots=width,
+            capacity=self.capacity,
+            stop_width=self.stop_width,
+            given_len=self.given_len,
+            plan=self.plan_of(width),
+        )
+
+    def ensure_state(self) -> None:
+        if self.state is None:
+            self.state = self.empty_state()
+            self.width = self.slots
+
+    # -- plans --------------------------------------------------------------------------------
+
+    def admit(self, admission: Admission) -> list[Inserted]:
+        """Carries out an admission: its widening, then each insert (after its prefill)."""
+        self.ensure_state()
+        if admission.widen is not None:
+            self.resize(admission.widen)
+        return [self.insert(step) for step in admission.inserts]
+
+    def insert(self, step: Insert) -> Inserted:
+        """Prefills the step's group when it is new, then scatters the group's rows into the
+        state: every host array of the two in one transfer."""
+        model = self.model
+        host: dict[str, Any] = {
+            "src": np.asarray(step.src, np.int32),
+            "dst": np.asarray(step.dst, np.int32),
+            "new": self.new_rows(step.samples, step.rows),
+        }
+        if step.prefill is not None:
+            tokens, positions = requests.pad_left(
+                step.prefill.prompts, step.prefill.rows, model.config.max_positions
+            )
+            host.update(tokens=tokens, positions=positions)
+        where = None
+        if model.mesh is not None:  # the prompts' rows split like the batch, the rest whole
+            where = jax.tree.map(lambda x: _whole(model, x), host)
+            for key in ("tokens", "positions"):
+                if key in host:
+                    where[key] = _row_sharding(model, host[key])
+        dev = self.put(host, where, "insert")
+        if step.prefill is not None:
+            self._groups[step.group] = programs.prefill(
+                self.decoder,
+                dev["tokens"],
+                dev["positions"],
+                capacity=self.capacity,
+                plan=self.plan,
+            )
+        group = self._groups[step.group]
+        if step.last_use:
+            del self._groups[step.group]
+        self.state, first = programs.insert(
+            self.state, group, dev["src"], dev["dst"], dev["new"], plan=self.plan_of(step.width)
+        )
+        record = self.plan.record_kept and self.plan.compression.compressing
+        out = Inserted(first, group.kept if record else None)
+        _start_copies(out)
+        return out
+
+    def new_rows(self, samples: tuple[Sample, ...], rows: int) -> programs.NewRows:
+        """The per-row values of an insert, as NumPy, padded to `rows` rows."""
+        stop = np.full((rows, self.stop_width), -1, np.int32)
+        block = np.full((rows, self.stop_width), -1, np.int32)
+        max_tokens = np.ones(rows, np.int32)
+        given = np.zeros((rows, self.given_len), np.int32)
+        for i, s in enumerate(samples):
+            q = s.request
+            max_tokens[i] = q.max_tokens
+            if q.continuation is not None:  # teacher forcing: no stop ids
+                given[i, : len(q.continuation)] = q.continuation
+                continue
+            stop[i, : len(q.stop_ids)] = q.stop_ids
+            block[i, : len(q.block_ids)] = q.block_ids
+        sampling = SlotSampling.from_params(
+            [s.request.sampling for s in samples],
+            batch=rows,
+            sample_indices=[s.index for s in samples],
+            host=True,
+        )
+        return programs.NewRows(
+            max_tokens=max_tokens, stop_ids=stop, block_ids=block, sampling=sampling, given=given
+        )
+
+    def dispatch(self, refill_at: int) -> programs.Tokens:
+        """Runs the next decode chunk (asynchronously) and starts copying its outputs back."""
+        at = np.int32(refill_at)  # a value, not a shape: never recompiles
+        at = self.put(at, _whole(self.model, at), "chunk")
+        self.state, out = programs.decode(
+            self.decoder,
+            self.state,
+            steps=self.chunk,
+            plan=self.plan_of(self.width),
+            refill_at=at,
+        )
+        _start_copies(out)
+        return out
+
+    def release(self, rows: list[int]) -> None:
+        """Stops the given rows on the device (the host found their samples' stop strings)."""
+        mask = np.zeros(self.width, bool)
+        mask[rows] = True
+        mask = self.put(mask, _row_sharding(self.model, mask), "release")
+        self.state = programs.release(self.state, mask, plan=self.plan_of(self.width))
+
+    def resize(self, resize: Resize) -> None:
+        """A narrower or wider state, rows moving per data shard (`Resize`)."""
+        rows = np.asarray(resize.rows, np.int32)
+        rows = self.put(rows, _row_sharding(self.model, rows), "resize")
+        plan = self.plan_of(resize.width)
+        if resize.kind == "narrow":
+            self.state = programs.take_rows(self.state, rows, plan=plan)
+        else:
+            wide = self.empty_state(resize.width)
+            self.state = programs.put_rows(wide, self.state, rows, plan=plan)
+        self.width = resize.width
+
+    @staticmethod
+    def fetch(tree: Any) -> Any:
+        """Device outputs as NumPy (on several processes, each process gets the whole)."""
+        return sharding.to_host(tree)
+
+    # -- sizing -------------------------------------------------------------------------------
+
+    def state_shapes(self) -> programs.SlotState:
+        """The shapes, dtypes and shardings of the full-width state (nothing allocated)."""
+        with on_mesh(self.model):
+            return jax.eval_shape(
+                lambda d: programs.init_state(
+                    d,
+                    slots=self.slots,
+                    capacity=self.capacity,
+                    stop_width=self.stop_width,
+                    given_len=self.given_len,
+                    plan=self.plan,
+                ),
+                self.decoder,
+            )
+
+    def memory_analysis(self, *, prompt_len: int, prefill_rows: int, parts=("decode",)) -> dict:
+        """Compile-only memory of the programs; see `Engine.memory_analysis`."""
+        state = self.state_shapes()
+        out = {"state_bytes": _tree_bytes(state), "cache_bytes": _tree_bytes(state.cache)}
+        tokens = jax.ShapeDtypeStruct(
+            (prefill_rows, requests.bucket(prompt_len, prompt_len)), jnp.int32
+        )
+        with self.running():
+            for name in parts:
+                if name == "decode":
+                    lowered = programs.decode.lower(
+                        self.decoder, state, steps=self.chunk, plan=self.plan
+                    )
+                elif name == "prefill":
+                    lowered = programs.prefill.lower(
+                        self.decoder, tokens, tokens, capacity=self.capacity, plan=self.plan
+                    )
+                elif name == "compress":
+                    full = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)
+                    start = jax.ShapeDtypeStruct((), jnp.int32)
+                    lowered = jax.jit(self._compress_step).lower(state.cache, full, start)
+                else:
+                    raise ValueError(f"unknown part {name!r}: decode, prefill or compress")
+                ma = lowered.compile().memory_analysis()
+                part = {
+                    "argument_bytes": ma.argument_size_in_bytes,
+                    "output_bytes": ma.output_size_in_bytes,
+                    "alias_bytes": ma.alias_size_in_bytes,
+                    "temp_bytes": ma.temp_size_in_bytes,
+                }
+                part["peak_bytes"] = sum(part.values()) - 2 * part["alias_bytes"]
+                out[name] = part
+        return out
+
+    def _compress_step(self, cache, full, start):
+        """One step of the compression lanes (for `memory_analysis`)."""
+        plan = self.plan
+        return policy.compress_lanes(
+            cache, full, plan.compression, lanes=plan.lanes, start=start, rules=plan.rules
+        )
