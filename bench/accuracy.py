@@ -15,7 +15,7 @@ from pathlib import Path
 
 import rkvjax
 from bench import common
-from rkvjax import evaluation
+from rkvjax import defaults, evaluation
 
 PREFER_MEMORY = True
 TINY = {
@@ -51,15 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=common.int_at_least(1), default=20)
     p.add_argument("--samples", type=common.int_at_least(1), default=2)
     p.add_argument("--max-tokens", type=common.int_at_least(1), default=1024)
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        choices=["full", "rkv", "snapkv", "streaming"],
-        default=["full", "rkv", "snapkv"],
-        help="FullKV once, the others at every budget",
-    )
+    common.add_methods_argument(p, ["full", "rkv", "snapkv"], full=True)  # FullKV once
     p.add_argument("--budgets", type=int, nargs="+", default=[128, 256])
-    p.add_argument("--buffer", type=common.int_at_least(1), default=128)
+    p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
     p.add_argument("--slots", type=int, default=None)
 
 

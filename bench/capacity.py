@@ -18,7 +18,7 @@ import jax
 
 import rkvjax
 from bench import common
-from rkvjax import loading
+from rkvjax import defaults, loading
 
 PREFER_MEMORY = True
 REAL_CONFIGS = common.DATA.parent / "real_configs"
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", nargs="+", choices=["full", "rkv"], default=["full", "rkv"])
     p.add_argument("--budget", type=common.int_at_least(2), default=1024)
     p.add_argument("--ratio", type=float, default=0.1, help="R-KV budget as a fraction (0: none)")
-    p.add_argument("--buffer", type=common.int_at_least(1), default=128)
+    p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
     p.add_argument("--fit-batches", type=int, nargs=2, default=[8, 16])
 
 

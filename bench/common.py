@@ -27,7 +27,7 @@ import numpy as np
 
 import rkvjax
 from bench import checkpoints
-from rkvjax import programs, requests
+from rkvjax import config, policies, programs, requests
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -263,6 +263,19 @@ def load_model(args, dtype: str | None = None):
 def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M; --tiny: none)"
+    )
+
+
+def add_methods_argument(p: argparse.ArgumentParser, default: Sequence[str], full=False) -> None:
+    """--methods: any registered cache policy (and "full" where `full`), plug-ins included
+    ($RKVJAX_POLICIES)."""
+    choices = config.method_names() if full else policies.names()
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=choices,
+        default=list(default),
+        help="cache policies (default: %(default)s)",
     )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 import rkvjax
 from bench import common
+from rkvjax import defaults
 
 # The prompt the R-KV paper uses for MATH-500 (DeepSeek-R1 style).
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -31,12 +32,12 @@ def add_arguments(p) -> None:
     common.add_model_argument(p)
     p.add_argument("--new-tokens", type=int, default=1024, help="length of the FullKV traces")
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    common.add_methods_argument(p, METHODS)
     p.add_argument("--prompts", type=int, default=3, help="traces, scored as one batch")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="skip longer problems")
-    p.add_argument("--buffer", type=int, default=128)
-    p.add_argument("--window", type=int, default=8)
-    p.add_argument("--lam", type=float, default=0.1)
+    p.add_argument("--buffer", type=int, default=defaults.BUFFER)
+    p.add_argument("--window", type=int, default=defaults.WINDOW)
+    p.add_argument("--lam", type=float, default=defaults.LAM, help="R-KV's")
     p.add_argument("--data", type=Path, default=common.DATA, help="math500.jsonl (problem field)")
     p.add_argument("--traces", type=Path, help="FullKV trace cache (default: traces.json here)")
     p.add_argument("--regenerate", action="store_true", help="ignore cached traces")

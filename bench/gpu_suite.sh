@@ -11,15 +11,16 @@
 #   4. decode speed of a random-init DeepSeek-R1-Distill-Qwen-1.5B-shaped model in bfloat16,
 #      rkvjax against transformers on the same GPU, at batch 1 and 32.
 # Not in the default pass (name them): memory_speed (R-KV against FullKV as one row's context
-# grows), tail (a run's tail decoded narrow against every slot, 64 slots) and load_time
-# (loading from safetensors and from an `rkvjax convert` folder).
+# grows), tail (a run's tail decoded narrow against every slot, 64 slots), host (the host's CPU
+# time per token against the GPU's chunk time, 64 to 1,024 slots) and load_time (loading from
+# safetensors and from an `rkvjax convert` folder).
 #
 #   bash bench/gpu_suite.sh [OUT_DIR [STEP...]]   # default bench/results/gpu, every step
 #
-# STEP is one of tests, scale, kernel, checkpoint, decode, memory_speed, tail, load_time; named
-# steps run in the order given (decode, memory_speed, tail and load_time need checkpoint, in
-# this run or an earlier one). Each step has its own time limit and log, and a failing step does not stop the
-# next one. Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs
+# STEP is one of tests, scale, kernel, checkpoint, decode, memory_speed, tail, host, load_time;
+# named steps run in the order given (decode, memory_speed, tail, host and load_time need
+# checkpoint, in this run or an earlier one). Each step has its own time limit and log, and a
+# failing step does not stop the next one. Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs
 # rkvjax itself (editable, without dependencies) when it is not importable. Run from the
 # repository root (`python -m bench`). Results: OUT_DIR/<suite>/ (results.jsonl, table.md,
 # plot.png) and a log per step in OUT_DIR, summarised in bench/README.md.
@@ -77,6 +78,10 @@ run_step() {
 	tail) step tail 180 $py -m bench tail --out "$out" --model "$ckpt" --dtype bfloat16 \
 		--slots 64 --long-tokens 2048 --short-tokens 128 1024 --prompt 256 --budget 1024 \
 		--buffer 128 --repeats 1 --scenarios batch ;;
+	# Whether the host keeps up with the device: main-thread CPU per token next to the wall
+	# time of the same runs, the tiny model and the 1.5B shape in bfloat16.
+	host) step host 240 $py -m bench host --out "$out" --model "$ckpt" --dtype bfloat16 \
+		--slots 256 1024 --default-model-slots 64 256 1024 --repeats 2 ;;
 	# Several processes share the GPU here, so none may take JAX's default 75% up front.
 	load_time) step load_time 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m bench load \
 		--out "$out" --model "$ckpt" --dtype bfloat16 --repeats 3 ;;

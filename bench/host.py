@@ -15,13 +15,14 @@ at temperature 0.7 / top-p 0.95 with ignore_eos, R-KV budget + buffer) through o
   logprobs  the 5 most likely tokens' logprobs with every token
 
 `host_us_per_token` is the headline; `host_ms_per_chunk` puts it against the device's time for a
-16-step chunk at that batch: `chunk_budget_ms` is the issue's estimate for an H200 decoding
+16-step chunk at that batch: `chunk_budget_ms` is an estimate for an H200 decoding
 R1-Distill-Qwen-1.5B's shape (about 7 ms a step at 1,024 rows, proportionally less at fewer
 rows, at least 2 ms a step), an order of magnitude, not a measurement.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -34,7 +35,7 @@ VARIANTS = ("plain", "stop", "logprobs")
 TINY = dict(slots=[8, 16], max_tokens=8, repeats=1, default_model_slots=[])
 PREFER_MEMORY = True
 STOP = "\u2603 never \u2603"  # a stop string no sampled text holds: checked, never found
-H200_STEP_MS_AT_1024 = 7.0  # the issue's estimate for R1-Distill-Qwen-1.5B's shape, bf16
+H200_STEP_MS_AT_1024 = 7.0  # estimated for R1-Distill-Qwen-1.5B's shape, bf16, not measured
 
 
 def add_arguments(p) -> None:
@@ -45,8 +46,9 @@ def add_arguments(p) -> None:
         type=int,
         nargs="*",
         default=[64],
-        help="slots for the default model (none: skip it)",
+        help="slots for --model (default: the default model; none: skip it)",
     )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--model's")
     p.add_argument("--max-tokens", type=common.int_at_least(2), default=32)
     p.add_argument("--prompt", type=common.int_at_least(8), default=16, help="prompt tokens")
     p.add_argument("--budget", type=int, default=32)
@@ -71,6 +73,7 @@ def run_once(model, slots: int, variant: str, args) -> dict:
     params = [_params(variant, args.max_tokens, i) for i in range(n)]
     cc = rkvjax.compression_config("rkv", args.budget, buffer=args.buffer)
     eng = rkvjax.Engine(model, slots=slots, cache=cc, logprobs=5 if variant == "logprobs" else None)
+    gc.collect()  # each run starts from the same heap: the last run's garbage is not its cost
     cpu0, wall0 = time.thread_time(), time.perf_counter()
     eng.submit_many(prompts, params)
     results = eng.run()
@@ -96,7 +99,7 @@ def run(args, folder) -> list[dict]:
     tiny = rkvjax.load(common.tiny_chat_checkpoint(), dtype="float32")
     settings = [(tiny, common.TINY_MODEL_NAME, s) for s in args.slots]
     if args.default_model_slots and not args.tiny:
-        model, name = common.load_model(args, "float32")
+        model, name = common.load_model(args, args.dtype)
         settings += [(model, name, s) for s in args.default_model_slots]
     rows = []
     for model, name, slots in settings:
@@ -123,7 +126,7 @@ def run(args, folder) -> list[dict]:
                 "decode_steps": runs[0]["decode_steps"],
                 "prefills": runs[0]["prefills"],
                 "loadavg": os.getloadavg(),
-                **common.run_meta(model=name, dtype="float32"),
+                **common.run_meta(model=name, dtype=str(model.dtype.__name__)),
             }
             common.emit(row, folder)
             rows.append(row)

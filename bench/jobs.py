@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import common
-from rkvjax import api, jobs, programs, requests
+from rkvjax import api, defaults, jobs, programs, requests
 
 MODES = ("continuous", "continuous_input_order", "batch_by_batch")
 TINY = dict(requests=8, slots=2, max_tokens=[8, 40], budget=32, buffer=16)
@@ -45,7 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--max-tokens", type=int, nargs=2, default=[32, 1024])
     p.add_argument("--budget", type=int, default=128)
-    p.add_argument("--buffer", type=int, default=128)
+    p.add_argument("--buffer", type=int, default=defaults.BUFFER)
     p.add_argument("--data", type=Path, default=common.DATA, help="MATH-500 JSONL: the prompts")
     p.add_argument(
         "--batch-prefill",

@@ -17,6 +17,7 @@ import numpy as np
 
 import rkvjax
 from bench import common
+from rkvjax import defaults
 
 PREFER_MEMORY = True
 TINY = {"gen_tokens": 64, "budget": 16, "buffer": 8, "methods": ["rkv", "streaming"]}
@@ -28,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--gen-tokens", type=common.int_at_least(2), default=1024)
     p.add_argument("--budget", type=common.int_at_least(2), default=128)
-    p.add_argument("--buffer", type=common.int_at_least(1), default=128)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
+    common.add_methods_argument(p, METHODS)
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> float:

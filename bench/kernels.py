@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from rkvjax import compression
+from rkvjax import defaults, scores
 from rkvjax.kernels import redundancy_pallas, tuning
 
 TINY = dict(
@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-heads", type=int, default=8, help="K KV heads")
     p.add_argument("--head-dim", type=int, default=128, help="H")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--window", type=int, default=defaults.WINDOW)
     p.add_argument("--retain", type=int, default=1)
     p.add_argument("--block-r", type=int, default=None, help="kernel row tile (default: table)")
     p.add_argument("--block-c", type=int, default=None, help="kernel column tile")
@@ -95,8 +95,8 @@ def seconds(fn, *xs, repeats: int) -> float:
 def run(args, folder) -> list[dict]:
     backend = tuning.backend()
     interpret = backend == "cpu"
-    kw = dict(window=args.window, threshold=0.5, retain=args.retain)
-    paths = {"jnp": functools.partial(compression.redundancy, **kw)}
+    kw = dict(window=args.window, threshold=defaults.THRESHOLD, retain=args.retain)
+    paths = {"jnp": functools.partial(scores.redundancy, **kw)}
     for name, (block_r, block_c) in kernel_tiles(args).items():
         paths[name] = functools.partial(
             redundancy_pallas, **kw, block_r=block_r, block_c=block_c, interpret=interpret

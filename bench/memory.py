@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import rkvjax
 from bench import common
-from rkvjax import policy, programs, requests
+from rkvjax import defaults, policy, programs, requests
 from rkvjax.config import compression_config
 from rkvjax.sampling import SamplingParams
 
@@ -45,10 +45,10 @@ PREFER_MEMORY = True
 def add_arguments(p) -> None:
     common.add_model_argument(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    common.add_methods_argument(p, METHODS, full=True)
     p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--buffer", type=int, default=128)
-    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--buffer", type=int, default=defaults.BUFFER)
+    p.add_argument("--window", type=int, default=defaults.WINDOW)
     p.add_argument("--batch", type=int, default=1, help="rows of the speed runs (a)")
     p.add_argument(
         "--contexts",

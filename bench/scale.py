@@ -39,7 +39,7 @@ import numpy as np
 
 import rkvjax
 from bench import common, throughput
-from rkvjax import loading, programs
+from rkvjax import defaults, loading, programs
 
 PREFER_MEMORY = True
 REAL_CONFIGS = common.DATA.parent / "real_configs"
@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=common.int_at_least(1), default=128, help="prompt tokens")
     p.add_argument("--budget", type=common.int_at_least(2), default=1024, help="R-KV tokens")
     p.add_argument("--ratio", type=float, default=0.1, help="R-KV budget as a share (0: none)")
-    p.add_argument("--buffer", type=common.int_at_least(1), default=128)
+    p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
     p.add_argument(
         "--memory-fraction", type=float, default=0.9, help="of the device's memory, for all"
     )

@@ -16,7 +16,7 @@ import argparse
 
 import rkvjax
 from bench import common
-from rkvjax import api
+from rkvjax import api, defaults
 
 PREFER_MEMORY = True
 TINY = {
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cap-mib", type=float, default=256.0, help="cache memory for all rows")
     p.add_argument("--budget", type=common.int_at_least(2), default=256, help="R-KV tokens")
     p.add_argument("--ratio", type=float, default=0.1, help="R-KV budget as a fraction (0: none)")
-    p.add_argument("--buffer", type=common.int_at_least(1), default=128)
+    p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
     p.add_argument(
         "--max-batch", type=common.int_at_least(1), default=512, help="batch at most (time)"
     )

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rkvjax import compression, evaluation, jobs
+    from rkvjax import compression, evaluation, jobs, policies
     from rkvjax.api import generate, logits, score
     from rkvjax.config import CompressionConfig, ModelConfig, compression_config
     from rkvjax.loading import Model, load
@@ -34,7 +34,7 @@ _HOMES = {
     "logits": "rkvjax.api",
     "score": "rkvjax.api",
 }
-_SUBMODULES = ("compression", "evaluation", "jobs")
+_SUBMODULES = ("compression", "evaluation", "jobs", "policies")
 
 __all__ = [
     "CompressionConfig",
@@ -53,6 +53,7 @@ __all__ = [
     "jobs",
     "load",
     "logits",
+    "policies",
     "score",
 ]
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from rkvjax import programs, requests, runtime
 from rkvjax.config import CompressionConfig, compression_config
+from rkvjax.defaults import BUFFER, WINDOW
 from rkvjax.loading import DEFAULT_MODEL, Model, as_dtype, load
 from rkvjax.results import GenerationResult, GenerationStats, ScoreResult
 from rkvjax.sampling_params import SamplingParams
@@ -89,7 +90,7 @@ def _device_memory(model: Model) -> int | None:
     count that follows from it, and so every compiled shape, does not move from run to run
     with what else happens to be allocated. None when nothing says."""
     leaves = [x for x in jax.tree.leaves(nnx.state(model.decoder)) if isinstance(x, jax.Array)]
-    dev = leaves[0].addressable_shards[0].device if leaves else jax.local_devices()[0]
+    dev = model.device
     total = (dev.memory_stats() or {}).get("bytes_limit")
     if total is None:
         try:
@@ -171,8 +172,8 @@ def engine_for(
     **cache,
 ) -> runtime.Engine:
     """The Engine `generate` would build for these requests (arguments as in `generate`;
-    `cache` holds its cache-policy keywords: method, budget, buffer, window, kernel, lam,
-    threshold, retain, think_only, think_end_token, answer_slots, pallas). A fractional budget
+    `cache` holds its cache-policy keywords: method, budget, buffer, window, think_only,
+    think_end_token, answer_slots, pallas and the method's options). A fractional budget
     and the FullKV length follow the longest prompt and max_tokens, and the engine's logprobs,
     penalties and stop-id width cover every request; `slot_cap` caps the default slot count;
     `prefill_by_length` and `narrow_tail` as in `Engine`.
@@ -224,12 +225,8 @@ def generate(
     slots: int | None = None,
     budget: int | float | None = None,
     method: str = "rkv",
-    buffer: int = 128,
-    window: int = 8,
-    kernel: int = 7,
-    lam: float = 0.1,
-    threshold: float = 0.5,
-    retain: int = 1,
+    buffer: int = BUFFER,
+    window: int = WINDOW,
     think_only: bool = False,
     think_end_token: str | int = "</think>",
     answer_slots: int | None = None,
@@ -248,6 +245,7 @@ def generate(
     record_kept: bool = False,
     chunk: int = runtime.DEFAULT_CHUNK,
     lanes: int | None = None,
+    **options,
 ) -> GenerationResult | list:
     """Generates completions for one prompt or many, continuously batched over `slots` rows.
 
@@ -264,16 +262,19 @@ def generate(
       budget: KV tokens kept per (layer, KV head, row) by a compressing method (window
         included): an int, or a float in (0, 1] as a fraction of the longest prompt + the
         longest max_tokens. None = FullKV.
-      method: "rkv", "snapkv", "streaming" or "full"; with budget=None every method is FullKV.
+      method: "full" or a registered cache policy ("rkv", "snapkv", "streaming", "keydiff",
+        ...: `rkvjax.policies.names()`); with budget=None every method is FullKV.
       buffer: decoded tokens between compressions (the cache holds budget + buffer slots).
-      window, kernel, lam, threshold, retain: R-KV settings (RKV_SPEC.md); kernel is the
-        importance max-pool width.
+      window: the newest tokens, always kept, whose queries score the others.
+      **options: the method's hyperparameters (`rkvjax.policies.option_names(method)`), e.g.
+        R-KV's kernel, lam, threshold, retain (RKV_SPEC.md); unset ones take the method's
+        defaults.
       think_only: stop compressing a row once it emits `think_end_token` (a string that is one
         token of the tokenizer, or a token id); the answer is then never evicted. The cache gets
         `answer_slots` (default 512) more slots for the answer, and a row is compressed again
         only if its answer fills those too.
       pallas: run compression's redundancy and top-k as Pallas kernels (True), as jnp (False),
-        or auto (None; see `rkvjax.compression.use_pallas`). `kernels` is its former name.
+        or auto (None; see `rkvjax.scores.use_pallas`). `kernels` is its former name.
       max_new_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos:
         shorthand for `sampling` (defaults 256 tokens, greedy, no filters, seed 0; prompt i
         samples with seed + i). Not allowed together with `sampling`.
@@ -342,10 +343,6 @@ def generate(
         budget=budget,
         buffer=buffer,
         window=window,
-        kernel=kernel,
-        lam=lam,
-        threshold=threshold,
-        retain=retain,
         think_only=think_only,
         think_end_token=think_end_token,
         answer_slots=answer_slots,
@@ -355,6 +352,7 @@ def generate(
         record_kept=record_kept,
         chat=chat,
         progress=progress,
+        **options,
     )
     # Checked here, once (before anything compiles), naming each prompt.
     eng.submit_many(

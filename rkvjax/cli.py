@@ -11,8 +11,9 @@ from pathlib import Path
 
 import jax
 
-from rkvjax import api, evaluation, jobs, requests, sharding, xla_flags
-from rkvjax.config import METHODS, compression_config
+from rkvjax import api, evaluation, jobs, policies, requests, sharding, xla_flags
+from rkvjax.config import compression_config, method_names
+from rkvjax.defaults import BUFFER
 from rkvjax.sampling import SamplingParams
 
 
@@ -42,7 +43,21 @@ def _add_generation_args(
         default=defaults["max_new_tokens"],
         help=f"tokens to generate at most per sample {max_tokens_help}",
     )
-    p.add_argument("--method", choices=METHODS, default="rkv")
+    p.add_argument(
+        "--method",
+        choices=method_names(),
+        default="rkv",
+        help="cache policy (default: %(default)s); $RKVJAX_POLICIES names modules that register "
+        "more",
+    )
+    p.add_argument(
+        "--method-arg",
+        dest="method_args",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a hyperparameter of the method (repeatable), e.g. lam=0.2 for rkv",
+    )
     p.add_argument(
         "--budget",
         type=_budget_arg,
@@ -50,7 +65,9 @@ def _add_generation_args(
         help="KV tokens kept per layer/head/row: an integer, or a fraction in (0, 1] of the "
         "longest prompt + max tokens written with a point (0.1, 1.0); omit for FullKV",
     )
-    p.add_argument("--buffer", type=int, default=128, help="new tokens between compressions")
+    p.add_argument(
+        "--buffer", type=int, default=BUFFER, help="new tokens between compressions (%(default)s)"
+    )
     p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
     s = p.add_argument_group("sampling (vLLM's SamplingParams; a job's lines may override them)")
     s.add_argument(*n_flags, dest="n", type=int, default=1, help=n_help)
@@ -229,12 +246,20 @@ def _budget_arg(text: str) -> int | float:
 
 
 def _cache(args: argparse.Namespace) -> dict:
-    """The cache-policy keywords of `generate` / `engine_for` from the flags."""
+    """The cache-policy keywords of `generate` / `engine_for` from the flags (the method's
+    options only as given, so that job headers written before options existed still match)."""
+    if args.method_args and args.method == "full":
+        raise ValueError("cache flags: --method full has no options; drop --method-arg")
+    try:
+        options = policies.parse_options(args.method, args.method_args) if args.method_args else {}
+    except ValueError as e:
+        raise ValueError(f"cache flags: --method-arg: {e}") from None
     return {
         "method": args.method,
         "budget": args.budget,
         "buffer": args.buffer,
         "think_only": args.think_only,
+        **options,
     }
 
 
@@ -276,7 +301,7 @@ def _checked_sampling(args: argparse.Namespace, fields: dict | None = None) -> d
         )
     try:  # the lengths only resolve a fractional budget, which is checked again with the model
         compression_config(
-            cache["method"], cache["budget"], prompt_len=1, max_new_tokens=1, buffer=cache["buffer"]
+            prompt_len=1, max_new_tokens=1, **{k: v for k, v in cache.items() if k != "think_only"}
         )
     except ValueError as e:
         raise ValueError(f"cache flags: {e}") from None

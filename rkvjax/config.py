@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import numbers
 from typing import Any
 
 import numpy as np
 
-
-def check_int(name: str, value, low: int) -> None:
-    """Raises ValueError unless value is an int (not a bool) >= low."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+from rkvjax import checks, policies
+from rkvjax.defaults import ANSWER_SLOTS, BUFFER, WINDOW
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,54 +64,49 @@ class ModelConfig:
         return cls(**d)
 
 
-COMPRESSING_METHODS = ("rkv", "snapkv", "streaming")
+# The built-in methods ("full" and the compressing ones); `method_names()` has every registered
+# one, plug-ins included.
+COMPRESSING_METHODS = policies.BUILTINS
 METHODS = ("full", *COMPRESSING_METHODS)
+
+
+def method_names() -> tuple[str, ...]:
+    """Every method a cache takes: "full" and each registered policy."""
+    return ("full", *policies.names())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
-    """KV-cache policy of one generation (RKV_SPEC.md). Static: part of the compiled program."""
+    """KV-cache policy of one generation (RKV_SPEC.md). Static: part of the compiled program.
 
-    method: str = "full"  # "full" | "rkv" | "snapkv" | "streaming"
+    `policy` holds the method's hyperparameters (`rkvjax.policies`); built from `method` with
+    its defaults when not given."""
+
+    method: str = "full"  # "full" or a registered policy's name
     budget: int = 0  # tokens kept per (layer, KV head, row) after a compression, window included
-    buffer: int = 128  # decoded tokens appended between compressions
-    window: int = 8  # W: the newest tokens' queries score importance; their K/V are always kept
-    kernel: int = 7  # importance max-pool width
-    lam: float = 0.1  # score = lam * importance - (1 - lam) * redundancy
-    threshold: float = 0.5  # cosine above which two keys are redundant
-    retain: int = 1  # newest redundant copies not counted (the reference keeps 1)
+    buffer: int = BUFFER  # decoded tokens appended between compressions
+    window: int = WINDOW  # W: its queries score the other tokens; its K/V are always kept
+    policy: policies.Policy | None = None  # the method and its options (None for "full")
     think_end_id: int | None = None  # stop compressing a row once it emits this token
     answer_slots: int = 0  # extra slots for the answer after think_end_id (think-only mode)
-    pallas: bool | None = None  # Pallas kernels: None = auto (`compression.use_pallas`), or force
+    pallas: bool | None = None  # Pallas kernels: None = auto (`scores.use_pallas`), or force
+    # What the compression is compiled for (a `kernels.tuning.Target`): a runtime sets it from
+    # its devices; None (a call of its own) reads the process's default device when traced.
+    target: Any = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if not self.compressing:
+        if self.method == "full":
+            if self.policy is not None:
+                raise ValueError(f"method 'full' takes no policy, got {self.policy!r}")
             return
-        for name in ("budget", "buffer", "window", "kernel", "retain", "answer_slots"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an int, got {v!r}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.budget <= self.window:
-            raise ValueError(
-                f"budget ({self.budget}) must be larger than window ({self.window}): the window's "
-                "tokens are always kept, so a smaller budget leaves nothing to select"
-            )
-        if self.buffer < 1:
-            raise ValueError(f"buffer must be >= 1, got {self.buffer}")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be a positive odd int, got {self.kernel}")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
-        if not -1.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {self.threshold}")
-        if self.retain < 1:
-            raise ValueError(f"retain must be >= 1, got {self.retain}")
-        if self.answer_slots < 0:
-            raise ValueError(f"answer_slots must be >= 0, got {self.answer_slots}")
+        if self.policy is None:
+            object.__setattr__(self, "policy", policies.build(self.method))
+        elif not isinstance(self.policy, policies.Policy) or self.policy.name != self.method:
+            raise ValueError(f"policy {self.policy!r} is not method {self.method!r}")
+        checks.check_int("window", self.window, 1)
+        checks.check_budget(self.budget, self.window)
+        checks.check_int("buffer", self.buffer, 1)
+        checks.check_int("answer_slots", self.answer_slots, 0)
         if self.pallas not in (None, True, False):
             raise ValueError(f"pallas must be None, True or False, got {self.pallas!r}")
         if self.answer_slots and self.think_end_id is None:
@@ -142,27 +133,32 @@ def compression_config(
     *,
     prompt_len: int = 0,
     max_new_tokens: int = 0,
-    buffer: int = 128,
-    window: int = 8,
-    kernel: int = 7,
-    lam: float = 0.1,
-    threshold: float = 0.5,
-    retain: int = 1,
+    buffer: int = BUFFER,
+    window: int = WINDOW,
     think_end_id: int | None = None,
     answer_slots: int | None = None,
     pallas: bool | None = None,
+    **options,
 ) -> CompressionConfig:
     """The one place user-facing cache settings become a validated `CompressionConfig`.
 
     `budget=None` or `method="full"` means FullKV. A float budget in (0, 1] is a fraction of
     `prompt_len + max_new_tokens` (the longest prompt and longest generation of a run),
-    rounded, and at least `window + 1`.
+    rounded, and at least `window + 1`. `options` are the method's hyperparameters (R-KV's
+    kernel, lam, threshold, retain; `rkvjax.policies.option_names(method)`): checked even when
+    the cache is FullKV; R-KV's are taken for every method (the public signature names them)
+    and checked as R-KV's.
 
     Raises:
       ValueError: naming the first bad setting.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in method_names():
+        raise ValueError(f"method must be one of {method_names()}, got {method!r}")
+    if method == "full":
+        policies.check_unused(options)
+        policy = None
+    else:
+        policy = policies.resolve(method, **options)
     if budget is None or method == "full":
         return CompressionConfig(method="full")
     if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
@@ -180,11 +176,10 @@ def compression_config(
         budget=int(budget),
         buffer=buffer,
         window=window,
-        kernel=kernel,
-        lam=lam,
-        threshold=threshold,
-        retain=retain,
+        policy=policy,
         think_end_id=think_end_id,
-        answer_slots=(512 if answer_slots is None else answer_slots) if think_end_id else 0,
+        answer_slots=(ANSWER_SLOTS if answer_slots is None else answer_slots)
+        if think_end_id
+        else 0,
         pallas=pallas,
     )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rkvjax.config import ModelConfig
+if TYPE_CHECKING:  # config builds cache policies, whose scores use these layers
+    from rkvjax.config import ModelConfig
+
 
 # A finite "minus infinity": a query whose keys are all masked (a pad row) gets a uniform, finite
 # softmax instead of NaNs that would poison later reductions.

@@ -34,6 +34,20 @@ class Model:
         return self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
 
     @property
+    def device(self) -> jax.Device:
+        """A device of this process that the weights live on (the first of the mesh's that
+        this process addresses, or the one device; the default device for abstract weights,
+        which a compile-only run lowers for). Several processes each get one of their own:
+        another process's device answers no queries (its memory, say)."""
+        if self.mesh is not None:
+            here = jax.process_index()
+            return next(d for d in self.mesh.devices.flat if d.process_index == here)
+        for leaf in jax.tree.leaves(self.decoder):
+            if isinstance(leaf, jax.Array):
+                return next(iter(leaf.devices()))
+        return jax.local_devices()[0]
+
+    @property
     def data_shards(self) -> int:
         """How many ways batch rows are split (the mesh's "data" axis; 1 without a mesh)."""
         if self.mesh is None or self.rules.batch is None:

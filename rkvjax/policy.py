@@ -22,17 +22,14 @@ from rkvjax.config import CompressionConfig
 def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int) -> jax.Array:
     """Kept slots [B, K, budget] of one layer, real tokens first in position order."""
     idx = compression.select(
-        cc.method,
+        cc.policy,
         q_win,
         k,
         slot_pos >= 0,
         budget=budget,
         window=cc.window,
-        kernel=cc.kernel,
-        lam=cc.lam,
-        threshold=cc.threshold,
-        retain=cc.retain,
         impl=cc.pallas,
+        target=cc.target,
     )
     return kv.valid_first(idx, slot_pos)
 

@@ -382,6 +382,7 @@ def _choose(logits, s_sampling, num, block_ids, given, counts, seen, plan: Plan)
         output_counts=counts if plan.sampler.penalties else None,
         prompt_mask=seen if plan.sampler.penalties else None,
         num_generated=num,
+        row_blocks=plan.sampler.row_blocks,
     )
     if plan.sampler.logprobs is None:
         return tok, None, None, None, None

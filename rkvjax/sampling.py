@@ -198,6 +198,7 @@ class SamplerConfig:
 
     penalties: bool = False
     logprobs: int | None = None
+    row_blocks: bool | None = None  # `sample_rows`' row blocks: a runtime sets it (CPU: True)
 
     def __post_init__(self):
         if not isinstance(self.penalties, bool):
@@ -674,6 +675,7 @@ def sample_rows(
     prompt_mask: jax.Array | None = None,
     num_generated: jax.Array | None = None,
     stop_mask: jax.Array | None = None,
+    row_blocks: bool | None = None,
 ) -> jax.Array:
     """The next token of every row, each with its own settings and key.
 
@@ -690,11 +692,15 @@ def sample_rows(
       prompt_mask: [B, V] bool tokens of each row's prompt, for the repetition penalty.
       num_generated: [B] int32 tokens each row has made, for min_tokens.
       stop_mask: [B, V] bool each row's stop tokens incl. EOS, for min_tokens (None = skip it).
+      row_blocks: draw in blocks of ROW_BLOCK rows (`_by_row_blocks`; a runtime decides it
+        from its devices: on CPU); None: when the process's default backend is the CPU.
 
     Returns:
       [B] int32.
     """
     x = logits.astype(jnp.float32)  # [B, V]
+    if row_blocks is None:
+        row_blocks = jax.default_backend() == "cpu"
     if stop_mask is not None:
         if num_generated is None:
             raise ValueError("stop_mask needs num_generated (tokens each row has made)")
@@ -714,7 +720,9 @@ def sample_rows(
     greedy = params.temperature < SAMPLING_EPS  # [B]
 
     def sampled():
-        drawn = _by_row_blocks(lambda x, p, k: draw(k, filter_logits(x, p)), x, params, keys)
+        drawn = _by_row_blocks(
+            lambda x, p, k: draw(k, filter_logits(x, p)), row_blocks, x, params, keys
+        )
         return jax.lax.cond(
             jnp.any(greedy), lambda: jnp.where(greedy, argmax(x), drawn), lambda: drawn
         )
@@ -722,7 +730,7 @@ def sample_rows(
     return jax.lax.cond(jnp.all(greedy), lambda: argmax(x), sampled)
 
 
-def _by_row_blocks(fn, *rows):
+def _by_row_blocks(fn, enabled: bool, *rows):
     """fn over blocks of ROW_BLOCK rows in turn (`lax.map`) on CPU, when the batch splits into
     several: each block's [ROW_BLOCK, V] working set stays in the cache, where a whole batch-64
     working set would not (2.3x faster at batch 64). Elsewhere, where no cache is to be won,
@@ -737,7 +745,7 @@ def _by_row_blocks(fn, *rows):
       [B].
     """
     b = jax.tree.leaves(rows)[0].shape[0]
-    if jax.default_backend() != "cpu" or b <= ROW_BLOCK or b % ROW_BLOCK:
+    if not enabled or b <= ROW_BLOCK or b % ROW_BLOCK:
         return fn(*rows)
 
     def split(a):  # [B, ...] -> [B / ROW_BLOCK, ROW_BLOCK, ...]

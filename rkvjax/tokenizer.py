@@ -186,12 +186,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Token ids -> text. Invalid UTF-8 byte sequences decode to U+FFFD, as in transformers."""
-        ids = (
-            ids
-            if isinstance(ids, list) and all(type(i) is int for i in ids)
-            else list(map(int, ids))
-        )
-        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self._clean_up else text
 
     def apply_chat_template(

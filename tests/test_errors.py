@@ -197,9 +197,14 @@ def test_request_ids_must_be_hashable(model):
     "flags, message",
     [
         (["--method", "full", "--budget", "64"], "cache flags: --method full keeps every token"),
-        (["--budget", "1"], "cache flags: budget (1) must be larger than window (8)"),
-        (["--budget", "4"], "cache flags: budget (4) must be larger than window (8)"),
+        (["--budget", "1"], "cache flags: budget=1 must be larger than window=8"),
+        (["--budget", "4"], "cache flags: budget=4 must be larger than window=8"),
         (["--logprobs", "-1"], "sampling flags: logprobs"),
+        (["--method-arg", "lamda=0.2"], "cache flags: --method-arg: method 'rkv' has no option"),
+        (["--method-arg", "lam=high"], "cache flags: --method-arg: option lam must be float"),
+        (["--method-arg", "lam=1.5"], "cache flags: lam must be in [0, 1], got 1.5"),
+        (["--method", "keydiff", "--method-arg", "kernel=3"], "cache flags: --method-arg: method"),
+        (["--method", "full", "--method-arg", "lam=0.2"], "cache flags: --method full has no"),
     ],
 )
 def test_cli_refuses_bad_flags_before_loading(tmp_path, capsys, flags, message):

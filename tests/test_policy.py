@@ -23,8 +23,8 @@ from rkvjax import compression as C
 from rkvjax import policy, programs
 from rkvjax.config import CompressionConfig, compression_config
 from rkvjax.layers import as_storage
+from tests import reference
 from tests.hf_tiny import VOCAB
-from tests.reference import rkv_numpy as ref
 
 W = 8  # window (the default)
 BUDGET, BUFFER = 16, 8
@@ -79,7 +79,7 @@ def _ref_keep(method, q, k, held, *, budget, **kw) -> np.ndarray:
     """NumPy-reference keep set of one (layer, row) -> [K, budget] logical positions.
 
     Args:
-      method: "rkv", "snapkv" or "streaming".
+      method: a method with a reference in tests/reference ("rkv", "keydiff", ...).
       q, k: [T, N, H] and [T, K, H] queries and keys of the row, indexed by logical position.
       held: [K][n] the logical positions each KV head holds, in slot order; the last W are the
         observation tokens whose queries score importance.
@@ -93,7 +93,7 @@ def _ref_keep(method, q, k, held, *, budget, **kw) -> np.ndarray:
         pos = np.asarray(held[h])
         keys = k[pos, h][None, None]  # [1, 1, n, H]
         queries = np.swapaxes(q[pos[-W:], h * g : (h + 1) * g], 0, 1)[None]  # [1, G, W, H]
-        idx = ref.keep(method, queries, keys, budget=budget, window=W, **kw)[0, 0]
+        idx = reference.keep(method, queries, keys, budget=budget, window=W, **kw)[0, 0]
         out.append(pos[idx])
     return np.stack(out)
 
@@ -531,11 +531,11 @@ def test_think_only_stops_compressing_after_end_token(llama, ragged):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(budget=8), r"budget \(8\) must be larger than window \(8\)"),
-        (dict(budget=12, window=12), r"budget \(12\) must be larger than window"),
-        (dict(budget=16, buffer=0), "buffer must be >= 1"),
+        (dict(budget=8), "budget=8 must be larger than window=8"),
+        (dict(budget=12, window=12), "budget=12 must be larger than window=12"),
+        (dict(budget=16, buffer=0), "buffer must be an int >= 1"),
         (dict(budget=16, lam=1.5), r"lam must be in \[0, 1\]"),
-        (dict(budget=16, kernel=6), "kernel must be a positive odd int"),
+        (dict(budget=16, kernel=6), "kernel must be odd"),
         (dict(budget=0.0), r"fraction in \(0, 1\]"),
         (dict(budget=1.5), r"fraction in \(0, 1\]"),
         (dict(budget="16"), "budget must be an int"),

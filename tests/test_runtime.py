@@ -637,3 +637,37 @@ def test_a_decode_step_profiles_by_block(llama):
     text = lowered.as_text(debug_info=True)
     for scope in ("attention", "mlp", "compress", "cache_append", "sample"):
         assert f"{scope}/" in text, scope
+
+
+def test_programs_follow_the_engines_devices_not_the_process(llama, monkeypatch):
+    """What compression and sampling compile to is decided from the engine's devices when it is
+    built and carried in its plan, not read from the process while tracing: with the process
+    claiming a TPU with no memory (where auto puts compression on its Pallas kernels), a CPU
+    engine's programs still trace the CPU's jnp path and give its tokens."""
+    from rkvjax import kernels
+    from rkvjax.kernels import tuning
+
+    cc = compression_config("rkv", BUDGET, buffer=BUFFER)
+    prompts = [_prompt(n, seed=500 + i) for i, n in enumerate((40, 13))]
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=20) for i in range(2)]
+
+    def tokens():
+        eng = rkvjax.Engine(llama, slots=2, chunk=5, cache=cc)  # chunk 5: programs of its own
+        eng.submit_many(prompts, params)
+        target = eng.plan.compression.target
+        return [r.token_ids for r in sorted(eng.run(), key=lambda r: r.request_id)], target
+
+    want, target = tokens()
+    assert target == tuning.Target("cpu", tuning.dense_limit_bytes(llama.device))
+    assert rkvjax.Engine(llama, slots=2, cache=cc).plan.sampler.row_blocks is True
+    jax.clear_caches()  # every program traces again, under the process's claim
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(tuning, "DENSE_FALLBACK_BYTES", 0)
+    assert tuning.backend() == "tpu"
+
+    def kernel(*args, **kw):
+        raise AssertionError("compression traced for the process's backend, not the engine's")
+
+    monkeypatch.setattr(kernels, "redundancy_pallas", kernel)
+    got, _ = tokens()
+    assert got == want

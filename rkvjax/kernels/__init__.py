@@ -2,7 +2,7 @@
 
 Each kernel file holds `_validate`, the `_kernel` bodies, a jitted wrapper (tiles and
 `interpret` static) and `<name>_reference`, the pure-jnp specification. Nothing here imports
-the engine: `rkvjax.compression` decides when a kernel runs (`compression.use_pallas`).
+the engine: `rkvjax.scores` decides when a kernel runs (`scores.use_pallas`).
 """
 
 from __future__ import annotations

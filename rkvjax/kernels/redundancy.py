@@ -1,6 +1,6 @@
 """R-KV key redundancy (RKV_SPEC.md step 2) as two tiled Pallas passes, never forming S (n x n).
 
-Semantics are exactly `rkvjax.compression.redundancy(keys, valid, window, threshold, retain)`.
+Semantics are exactly `rkvjax.scores.redundancy(keys, valid, window, threshold, retain)`.
 S is the cosine matrix of the valid keys with a zero diagonal. Row i drops (zeroes) its
 `retain` newest matches (largest j with S[i, j] > threshold); with fewer matches it drops all
 of them and the first valid column. Column means over valid rows, a softmax over valid keys,
@@ -30,14 +30,14 @@ normalisation, the masked softmax and the int checks through `rkvjax.layers` and
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from rkvjax.config import check_int
+from rkvjax import checks
+from rkvjax.defaults import RETAIN, THRESHOLD, WINDOW
 from rkvjax.kernels import tuning
 from rkvjax.layers import masked_softmax, unit_vectors
 
@@ -45,31 +45,17 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def _check_tile(name, value, floor):
-    check_int(name, value, floor)
+    checks.check_int(name, value, floor)
     if value & (value - 1):
         raise ValueError(f"{name} must be a power of two (Triton tiles), got {value}")
 
 
 def _validate(keys, valid, *, window, threshold, retain, block_r=None, block_c=None, floor=8):
     """Shape, dtype and argument checks of both paths; tiles only when given."""
-    if keys.ndim != 4:
-        raise ValueError(f"keys must be [B, K, n, H], got shape {keys.shape}")
+    checks.check_inputs(None, keys, valid, window=window)
     if not jnp.issubdtype(keys.dtype, jnp.floating):
         raise ValueError(f"keys must be floating point, got {keys.dtype}")
-    b, k, n, _ = keys.shape
-    if valid is not None:
-        if valid.shape != (b, k, n):
-            raise ValueError(f"valid must be [B, K, n] = {(b, k, n)}, got shape {valid.shape}")
-        if valid.dtype != jnp.bool_:
-            raise ValueError(f"valid must be bool, got {valid.dtype}")
-    check_int("window", window, 1)
-    if window > n:
-        raise ValueError(f"window={window} is larger than the n={n} keys")
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
-        raise ValueError(f"threshold must be a static number, got {threshold!r}")
-    if not -1 <= threshold <= 1:
-        raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {threshold}")
-    check_int("retain", retain, 1)
+    checks.check_redundancy(threshold, retain)
     if block_r is not None:
         _check_tile("block_r", block_r, floor)
     if block_c is not None:
@@ -179,16 +165,16 @@ def redundancy(
     keys,
     valid,
     *,
-    window: int = 8,
-    threshold: float = 0.5,
-    retain: int = 1,
+    window: int = WINDOW,
+    threshold: float = THRESHOLD,
+    retain: int = RETAIN,
     block_r: int | None = None,
     block_c: int | None = None,
     interpret: bool = False,
 ):
     """Key redundancy of the candidates, in float32, without materialising S.
 
-    A drop-in for `rkvjax.compression.redundancy` (same arguments and result).
+    A drop-in for `rkvjax.scores.redundancy` (same arguments and result).
 
     Args:
       keys: [B, K, n, H] post-RoPE keys, any float dtype (scored in float32).
@@ -262,12 +248,12 @@ def redundancy(
     return masked_softmax(red, valid)[..., : n - window]
 
 
-def redundancy_reference(keys, valid, *, window=8, threshold=0.5, retain=1):
+def redundancy_reference(keys, valid, *, window=WINDOW, threshold=THRESHOLD, retain=RETAIN):
     """The specification of `redundancy`: pure jnp in float32 over the full n x n matrix.
 
     Args and Returns as `redundancy`. Written in the kernel's terms (c(i), the retain-th
     largest matching column) rather than the cumulative-count form of
-    `rkvjax.compression.redundancy`, so the tests check the two formulations agree.
+    `rkvjax.scores.redundancy`, so the tests check the two formulations agree.
     """
     _validate(keys, valid, window=window, threshold=threshold, retain=retain)
     b, kh, n, _ = keys.shape

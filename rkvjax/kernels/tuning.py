@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 # (block_r, block_c) of the redundancy kernel: rows x columns of one similarity tile.
@@ -17,8 +19,11 @@ TOPK_TILES = {"gpu": (256, 32), "tpu": (512, 128), "cpu": (512, 128)}
 
 def backend() -> str:
     """The default JAX backend folded to "gpu", "tpu" or "cpu" (anything else runs as CPU)."""
-    name = jax.default_backend()
-    return name if name in ("gpu", "tpu") else "cpu"
+    return _fold(jax.default_backend())
+
+
+def _fold(platform: str) -> str:
+    return platform if platform in ("gpu", "tpu") else "cpu"
 
 
 def fit(block: int, n: int, floor: int) -> int:
@@ -56,8 +61,28 @@ DENSE_SHARE = 1 / 16
 DENSE_FALLBACK_BYTES = 1 << 30
 
 
-def dense_limit_bytes() -> int:
-    """Largest dense intermediate the auto kernel choice leaves to the jnp path."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
+def dense_limit_bytes(device=None) -> int:
+    """Largest dense intermediate the auto kernel choice leaves to the jnp path (on `device`,
+    default the first local one)."""
+    device = device if device is not None else jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
     return int(limit * DENSE_SHARE) if limit else DENSE_FALLBACK_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What compiled programs run on, decided once from a runtime's devices and carried in its
+    static plan, so nothing about the process (its default backend, a device's memory) is
+    read while tracing a program whose cache key does not hold it."""
+
+    backend: str  # "gpu", "tpu" or "cpu"
+    dense_limit_bytes: int  # see `dense_limit_bytes`
+
+    @classmethod
+    def of(cls, device) -> Target:
+        return cls(_fold(device.platform), dense_limit_bytes(device))
+
+    @classmethod
+    def default(cls) -> Target:
+        """The process's default device: what a call outside a runtime runs on."""
+        return cls(backend(), dense_limit_bytes())

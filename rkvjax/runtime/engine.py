@@ -25,6 +25,7 @@ import numpy as np
 from rkvjax import policy, programs, requests
 from rkvjax.config import CompressionConfig
 from rkvjax.detokenize import StopWatcher
+from rkvjax.kernels import tuning
 from rkvjax.loading import Model
 from rkvjax.results import GenerationResult, RunStats, ScoreResult
 from rkvjax.runtime.executor import Executor, Inserted
@@ -160,6 +161,10 @@ class Engine:
             capacity = int(max_len)
         if lanes is None:
             lanes = policy.lane_count(slots, cc, data)
+        # Decided once from the model's devices, never read from the process while tracing.
+        target = tuning.Target.of(model.device)
+        if cc.compressing:
+            cc = dataclasses.replace(cc, target=target)
         self.model = model
         self.slots = slots
         self.capacity = capacity
@@ -168,7 +173,9 @@ class Engine:
         self.plan = programs.Plan(
             compression=cc,
             lanes=lanes,
-            sampler=SamplerConfig(penalties=penalties, logprobs=logprobs),
+            sampler=SamplerConfig(
+                penalties=penalties, logprobs=logprobs, row_blocks=target.backend == "cpu"
+            ),
             teacher=teacher,
             keep_dists=keep_dists,
             record_kept=record_kept,
@@ -284,7 +291,11 @@ class Engine:
                 f"name each (got {len(params)}, {len(ids)}, {len(conts)}, {len(subsets)} and "
                 f"{len(names)})"
             )
-        taken = set(self._live) | {rid for rid in ids if _hashable(rid) and rid is not None}
+        given = [
+            p.id if isinstance(p, requests.Request) else rid
+            for p, rid in zip(prompts, ids, strict=True)
+        ]
+        taken = set(self._live) | {rid for rid in given if _hashable(rid) and rid is not None}
         made, indices, ids_made = [], [], set()
         for prompt, sp, rid, cont, subset, name in zip(
             prompts, params, ids, conts, subsets, names, strict=True

@@ -1,0 +1,423 @@
+"""Cache policies as plug-ins: the protocol, the registry, KeyDiff against its NumPy reference,
+and every built-in method in the engine (continuous batching, compiles, lanes, a mesh).
+
+R-KV, SnapKV and StreamingLLM keep what they kept before the protocol: test_compression and
+test_policy compare them with tests/reference/rkv_numpy.py, unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rkvjax
+from rkvjax import cache as kv
+from rkvjax import cli, policies, policy, programs, sharding
+from rkvjax import compression as C
+from rkvjax.config import CompressionConfig, compression_config
+from tests import reference
+from tests.reference import keydiff_numpy
+from tests.test_compression import SCORE_TOL, _inputs, _random_valid
+from tests.test_policy import _full_qk, _load, _prompt, _ref_keep, _simulate_layer0
+from tests.test_sharding import COLLECTIVES, _random_cache, sub_mesh
+
+W = 8
+BUDGET, BUFFER = 16, 8
+BUILTINS = policies.BUILTINS
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return _load(tiny_checkpoint("llama")[0])
+
+
+def _greedy(m: int) -> rkvjax.SamplingParams:
+    return rkvjax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. KeyDiff's keep sets against its NumPy reference, one compression step.
+
+
+@pytest.mark.parametrize("n_q,k_heads", [(6, 3), (4, 4), (9, 3)])
+@pytest.mark.parametrize("budget", [12, 24, 40])
+def test_keydiff_matches_reference(n_q, k_heads, budget):
+    q, k = _inputs(3, n_q=n_q, k_heads=k_heads)
+    got = C.keep_indices("keydiff", jnp.asarray(q), jnp.asarray(k), budget=budget)
+    np.testing.assert_array_equal(got, keydiff_numpy.keep(q, k, budget=budget))
+    policy_ = policies.KeyDiff()
+    score = policy_.scores(jnp.asarray(q), jnp.asarray(k), jnp.ones(k.shape[:3], bool))
+    np.testing.assert_allclose(score, keydiff_numpy.scores(k, window=W), **SCORE_TOL)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_keydiff_masked_equals_compacted(seed):
+    """Keys that are not there take no part in the anchor and are never kept first: the result
+    is KeyDiff on the present keys alone, mapped back."""
+    rng = np.random.default_rng(40 + seed)
+    q, k = _inputs(50 + seed, n_q=6, k_heads=3)
+    n, budget = k.shape[2], 18
+    kinds = ["left", "holes", "trailing", "few", "all"]
+    counts = [[kinds[(b * 3 + kv + seed) % 5] for kv in range(3)] for b in range(2)]
+    valid = _random_valid(rng, 3, n, counts)
+    got = np.asarray(
+        C.select("keydiff", jnp.asarray(q), jnp.asarray(k), jnp.asarray(valid), budget=budget)
+    )
+    for b in range(2):
+        for h in range(3):
+            idx = np.flatnonzero(valid[b, h])
+            ck = k[b : b + 1, h : h + 1, idx]
+            if len(idx) >= budget:
+                want = idx[keydiff_numpy.keep(q[b : b + 1, :2], ck, budget=budget)[0, 0]]
+                np.testing.assert_array_equal(got[b, h], want)
+            else:
+                kept = got[b, h]
+                np.testing.assert_array_equal(kept[valid[b, h, kept]], idx)
+
+
+def test_keydiff_keeps_the_outliers():
+    """Keys along one common direction and a few orthogonal ones: the orthogonal ones are kept."""
+    rng = np.random.default_rng(0)
+    n, h = 40, 16
+    base = rng.normal(size=h)
+    k = base + 0.05 * rng.normal(size=(n, h))
+    odd = [3, 11, 20]
+    for i in odd:
+        k[i] = rng.normal(size=h) - 2 * base
+    keys = jnp.asarray(k[None, None], jnp.float32)  # [1, 1, n, H]
+    got = C.keep_indices("keydiff", jnp.zeros((1, 1, W, h)), keys, budget=W + 3)
+    assert got[0, 0, :3].tolist() == odd
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The protocol: building, checking, registering, options.
+
+
+def test_registry_lists_the_builtins_and_builds_them():
+    assert {"rkv", "snapkv", "streaming", "keydiff"} <= set(policies.names())
+    assert policies.build("rkv", lam=0.3) == policies.RKV(lam=0.3)
+    assert policies.build("streaming").options() == {"sinks": 4}
+    cc = compression_config("rkv", 32, lam=0.3)
+    assert cc.policy == policies.RKV(lam=0.3)
+    assert cc.policy.options() == {"kernel": 7, "lam": 0.3, "threshold": 0.5, "retain": 1}
+    assert CompressionConfig(method="snapkv", budget=16).policy == policies.SnapKV()
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: policies.build("rkv", lamda=0.3), r"method 'rkv' has no option 'lamda' \(its"),
+        (
+            lambda: policies.build("keydiff", sinks=2),
+            "'keydiff' has no option 'sinks' .it takes none",
+        ),
+        (lambda: policies.build("rkv", lam=2.0), r"lam must be in \[0, 1\]"),
+        (lambda: policies.build("streaming", sinks=-1), "sinks must be an int >= 0"),
+        (lambda: policies.build("h2o"), "unknown method 'h2o'; expected one of"),
+        (lambda: compression_config("keydiff", 32, lam=1.5), r"lam must be in \[0, 1\]"),
+        (lambda: compression_config("keydiff", 32, sinks=2), "'keydiff' has no option 'sinks'"),
+        (lambda: compression_config("full", None, sinks=2), "method 'full' has no options"),
+        (
+            lambda: CompressionConfig(method="rkv", budget=16, policy=policies.SnapKV()),
+            "is not method 'rkv'",
+        ),
+        (
+            lambda: C.keep_indices(
+                policies.RKV(), jnp.zeros((1, 2, 8, 4)), jnp.zeros((1, 2, 16, 4)), budget=9, lam=0.2
+            ),
+            "set them on the policy",
+        ),
+        (lambda: policies.parse_options("rkv", ["lam"]), "KEY=VALUE"),
+        (lambda: policies.parse_options("rkv", ["kernel=1.5"]), "kernel must be int"),
+    ],
+)
+def test_bad_policies_and_options_are_one_clear_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_parse_options_converts_to_the_field_types():
+    got = policies.parse_options("rkv", ["lam=0.25", "kernel=5", "retain=2", "threshold=1"])
+    assert got == {"lam": 0.25, "kernel": 5, "retain": 2, "threshold": 1.0}
+    assert isinstance(got["kernel"], int) and isinstance(got["threshold"], float)
+
+
+def test_register_refuses_what_cannot_be_a_static_policy():
+    class Plain(policies.Policy):
+        name = "plain"
+
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        policies.register(Plain)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Bad(policies.Policy):
+        name = "Bad Name"
+
+    with pytest.raises(ValueError, match="lower-case name"):
+        policies.register(Bad)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Clash(policies.Policy):
+        name = "rkv"
+
+    taken = r"'rkv' is already registered by rkvjax\.policies\.rkv\.RKV"
+    with pytest.raises(ValueError, match=taken):
+        policies.register(Clash)
+    with pytest.raises(TypeError, match="Policy subclass"):
+        policies.register(int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeyNorm(policies.Policy):
+    """A test method: keys of small norm first (kvpress's KnormPress), scaled by `sign`."""
+
+    name = "test-keynorm"
+    sign: float = -1.0
+
+    def check(self):
+        if self.sign not in (-1.0, 1.0):
+            raise ValueError(f"sign must be 1 or -1, got {self.sign}")
+
+    def scores(self, queries, keys, valid, *, impl=None, target=None):
+        w = queries.shape[2]
+        norm = jnp.linalg.norm(keys.astype(jnp.float32), axis=-1)  # [B, K, n]
+        return self.sign * norm[..., : keys.shape[2] - w]
+
+
+@pytest.fixture
+def keynorm():
+    policies.register(KeyNorm)
+    yield KeyNorm
+    policies.unregister(KeyNorm.name)
+
+
+def _keynorm_reference(queries, keys, *, budget, sign=-1.0):
+    n = keys.shape[2]
+    score = sign * np.linalg.norm(np.float64(keys), axis=-1)[..., : n - W]
+    return keydiff_numpy.keep_by_scores(score, budget=budget, window=W, n=n)
+
+
+def test_a_registered_method_runs_everywhere_a_method_is_taken(llama, keynorm, tmp_path, capsys):
+    """A method defined outside the engine: its options are checked, the engine's prefill and
+    decode compressions keep what its reference keeps, and the command line takes it."""
+    with pytest.raises(ValueError, match="sign must be 1 or -1"):
+        compression_config("test-keynorm", 16, sign=0.5)
+    prompts = [_prompt(30, 1), _prompt(11, 2)]
+    outs = rkvjax.generate(
+        llama,
+        prompts,
+        method="test-keynorm",
+        sign=1.0,
+        budget=BUDGET,
+        buffer=BUFFER,
+        max_new_tokens=30,
+        record_kept=True,
+    )
+    _, ks = _full_qk(llama, [p + o.token_ids for p, o in zip(prompts, outs, strict=True)], 64)
+    for r, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        assert out.stats.compressions >= 2
+        n = len(p) if len(p) > BUDGET else BUDGET + BUFFER  # held at the first compression
+        # From layer 1: at layer 0 a key's norm depends only on its token (RoPE rotates), so a
+        # repeated token ties exactly with itself and float32 breaks the tie either way.
+        for layer in range(1, len(ks)):
+            k = ks[layer][r][:n]  # [n, K, H]
+            want = _keynorm_reference(None, np.swapaxes(k, 0, 1)[None], budget=BUDGET, sign=1.0)
+            np.testing.assert_array_equal(out.kept_positions[0, layer], want[0])
+    # The command line: the method by name, its options as KEY=VALUE, recorded in the header.
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt_token_ids": prompts[0]}) + "\n")
+    flags = ["--model", str(llama.path), "--method", "test-keynorm", "--budget", "16"]
+    flags += ["--buffer", "8", "--max-tokens", "30", "--ignore-eos", "--token-ids"]
+    assert cli.main(["batch", str(src), str(dst), *flags, "--method-arg", "sign=1"]) == 0
+    header, line = map(json.loads, dst.read_text().splitlines()[:2])
+    assert header["settings"]["method"] == "test-keynorm" and header["settings"]["sign"] == 1.0
+    assert line["token_ids"] == outs[0].token_ids
+    assert cli.main(["batch", str(src), str(tmp_path / "b.jsonl"), *flags, "--method-arg", "x=1"])
+    err = capsys.readouterr().err
+    assert "method 'test-keynorm' has no option 'x' (its options: sign)" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. KeyDiff in the engine: every compression against the reference, every architecture.
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_gqa3", "qwen3"])
+@pytest.mark.parametrize("budget", [20, 28])
+def test_keydiff_prefill_compression_matches_reference(tiny_checkpoint, kind, budget):
+    model = _load(tiny_checkpoint(kind)[0])
+    lengths = (40, 52)
+    prompts = [_prompt(n, seed=7 + n) for n in lengths]
+    outs = rkvjax.generate(
+        model, prompts, method="keydiff", budget=budget, max_new_tokens=1, record_kept=True
+    )
+    qs, ks = _full_qk(model, prompts, max(lengths))
+    for r, (n, out) in enumerate(zip(lengths, outs, strict=True)):
+        assert out.stats.compressions == 1
+        held = [list(range(n))] * model.config.kv_heads
+        for layer in range(model.config.num_layers):
+            want = _ref_keep("keydiff", qs[layer][r], ks[layer][r], held, budget=budget)
+            np.testing.assert_array_equal(
+                out.kept_positions[0, layer], want, err_msg=f"{r} {layer}"
+            )
+
+
+def test_keydiff_decode_compressions_match_reference_with_waiting_rows(llama):
+    """Ragged rows (one compressed at prefill) and four rows of one length that fill on the same
+    step with one lane, so three wait: every layer-0 compression replayed, every layer at the
+    first, and each row's tokens and keep sets as alone."""
+    lengths = (9, 14, 30, 11, 11, 11, 11)
+    prompts = [_prompt(n, seed=500 + i) for i, n in enumerate(lengths)]
+    params = [_greedy(50)] * len(prompts)
+    cc = compression_config("keydiff", BUDGET, buffer=BUFFER)
+    eng = rkvjax.Engine(llama, slots=len(prompts), cache=cc, max_len=128, lanes=1, record_kept=True)
+    eng.submit_many(prompts, params)
+    got = sorted(eng.run(), key=lambda r: r.request_id)  # run() yields in finish order
+    assert eng.stats.stalled_row_steps > 0
+    alone = []
+    for p in prompts:
+        one = rkvjax.Engine(llama, slots=1, cache=cc, max_len=128, record_kept=True)
+        one.submit(p, params[0])
+        alone += one.run()
+    qs, ks = _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, got, strict=True)], 80)
+    for r, (p, res, ref) in enumerate(zip(prompts, got, alone, strict=True)):
+        assert res.token_ids == ref.token_ids, f"row {r}"
+        np.testing.assert_array_equal(res.kept_positions, ref.kept_positions)
+        events = res.stats.compressions
+        assert events >= 3
+        want = _simulate_layer0(
+            "keydiff", qs[0][r], ks[0][r], len(p), events, budget=BUDGET, buffer=BUFFER
+        )
+        np.testing.assert_array_equal(res.kept_positions[:, 0], want, err_msg=f"row {r}")
+        n = len(p) if len(p) > BUDGET else BUDGET + BUFFER
+        held = [list(range(n))] * ks[0].shape[2]
+        for layer in range(len(ks)):
+            first = _ref_keep("keydiff", qs[layer][r], ks[layer][r], held, budget=BUDGET)
+            np.testing.assert_array_equal(res.kept_positions[0, layer], first)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Every built-in method: continuous batching, compiles, a mesh.
+
+
+@pytest.mark.parametrize("method", BUILTINS)
+def test_continuous_batching_gives_each_request_alone_without_recompiling(llama, method):
+    """Six requests through two slots (admissions into freed rows, compressions in both): each
+    request's tokens and keep sets are those of the request alone, and the whole run traces
+    init, insert and decode once and prefill once per prompt bucket."""
+    cc = compression_config(method, BUDGET, buffer=BUFFER, window=6)  # a plan of its own
+    prompts = [_prompt(n, seed=600 + n) for n in (10, 21, 9, 15, 12, 30)]
+    params = [_greedy(m) for m in (30, 12, 40, 20, 25, 33)]
+    eng = rkvjax.Engine(llama, slots=2, cache=cc, max_prefill_rows=1, record_kept=True)
+    before = collections.Counter(programs.TRACES)
+    eng.submit_many(prompts, params)
+    got = sorted(eng.run(), key=lambda r: r.request_id)  # run() yields in finish order
+    traced = collections.Counter(programs.TRACES) - before
+    # One prefill per prompt bucket (16 and 32: the 21- and 30-token prompts compress there).
+    assert traced == collections.Counter(init_state=1, prefill=2, insert=1, decode=1)
+    assert sum(r.stats.compressions for r in got) >= 10
+    for p, sp, res in zip(prompts, params, got, strict=True):
+        one = rkvjax.Engine(llama, slots=1, cache=cc, record_kept=True)
+        one.submit(p, sp)
+        (ref,) = one.run()
+        assert res.token_ids == ref.token_ids
+        np.testing.assert_array_equal(res.kept_positions, ref.kept_positions)
+
+
+@pytest.mark.parametrize("method", BUILTINS)
+def test_compression_adds_no_collectives_on_a_mesh(method):
+    """Each method's compression runs per device under shard_map (rows and KV heads stay where
+    they are): no collective, and the same caches as without the mesh."""
+    mesh, rules = sub_mesh(4, 2), sharding.DEFAULT_RULES
+    cc = CompressionConfig(method=method, budget=16, buffer=8, window=8)
+    cache = _random_cache(np.random.RandomState(1))
+    rows = jnp.array([True, True, False, True])
+    start = jnp.int32(0)
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(lambda c: kv.constrain(c, rules))(cache)
+        local = jax.jit(
+            lambda c, r: policy.compress_lanes(c, r, cc, lanes=1, start=start, rules=rules)
+        )
+        local = local.lower(sharded, rows).compile()
+        got = local(sharded, rows)
+    want = jax.jit(lambda c, r: policy.compress_lanes(c, r, cc, lanes=4, start=start))(cache, rows)
+    ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", local.as_text())
+    assert not ops, ops
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keydiff_on_a_data_x_model_mesh_equals_one_device(tiny_checkpoint):
+    folder = tiny_checkpoint("llama")[0]
+    prompts = [_prompt(n, seed=700 + n) for n in (9, 20, 33)]
+    kw = dict(method="keydiff", budget=16, buffer=8, max_new_tokens=40, record_kept=True)
+    want = rkvjax.generate(_load(folder), prompts, **kw)
+    sharded = rkvjax.load(folder, dtype="float32", mesh=sub_mesh(2, 2))
+    got = rkvjax.generate(sharded, prompts, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.stats.compressions == w.stats.compressions >= 2  # decode (and prompt)
+        np.testing.assert_array_equal(g.kept_positions, w.kept_positions)
+
+
+def test_reference_dispatch_knows_every_builtin():
+    """Every built-in method has an independent NumPy reference (tests/reference)."""
+    q, k = _inputs(9, n_q=4, k_heads=2)
+    for method in BUILTINS:
+        got = C.keep_indices(method, jnp.asarray(q), jnp.asarray(k), budget=20)
+        np.testing.assert_array_equal(got, reference.keep(method, q, k, budget=20))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The README's example of a method of one's own, as written there.
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_example() -> tuple[str, list[str]]:
+    """The README's example: its Python file and its shell commands (continuations joined)."""
+    section = (ROOT / "README.md").read_text().split("### A method of your own", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    shell = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    lines = [line.split("#", 1)[0].strip() for line in shell.splitlines()]
+    return code, [line for line in lines if line]
+
+
+@pytest.mark.slow
+def test_the_readme_policy_example_runs(smol_dir, tmp_path):
+    """The file runs (the default model generates under the new method, which compresses);
+    the command line and the benchmark suite find it through $RKVJAX_POLICIES. The bench runs
+    its --tiny variant (the README's run is minutes on a CPU)."""
+    code, commands = _readme_example()
+    assert len(commands) == 3, commands
+    (tmp_path / "keynorm.py").write_text(code)
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]}
+    env.pop(policies.PLUGINS_ENV, None)
+    outputs = []
+    for command in commands:
+        cwd = tmp_path
+        if "-m bench" in command:
+            command = command.replace("/path/to/keynorm/folder", shlex.quote(str(tmp_path)))
+            command += f" --tiny --out {shlex.quote(str(tmp_path / 'bench'))}"
+            cwd = ROOT
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+        )
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
+        outputs.append(done)
+    compressions = int(outputs[0].stdout.split()[0])
+    assert compressions >= 1, outputs[0].stdout
+    rows = (tmp_path / "bench" / "fidelity" / "results.jsonl").read_text().splitlines()
+    assert {"keynorm", "rkv"} <= {json.loads(r)["method"] for r in rows}
