@@ -18,7 +18,7 @@ import numpy as np
 
 import rkvjax
 from bench import common
-from rkvjax import defaults
+from rkvjax import checks, defaults
 
 # The prompt the R-KV paper uses for MATH-500 (DeepSeek-R1 style).
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -38,6 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--buffer", type=int, default=defaults.BUFFER)
     p.add_argument("--window", type=int, default=defaults.WINDOW)
     p.add_argument("--lam", type=float, default=defaults.LAM, help="R-KV's")
+    p.add_argument("--share", choices=checks.SHARES, default=defaults.SHARE, help="kept sets")
     p.add_argument("--data", type=Path, default=common.DATA, help="math500.jsonl (problem field)")
     p.add_argument("--traces", type=Path, help="FullKV trace cache (default: traces.json here)")
     p.add_argument("--regenerate", action="store_true", help="ignore cached traces")
@@ -141,12 +142,14 @@ def run(args, folder) -> list[dict]:
     seqs = [p + c for p, c in zip(prompts, conts, strict=True)]
     lens = [len(p) for p in prompts]
     meta = {
-        **common.run_meta(model=name, buffer=args.buffer, window=args.window, lam=args.lam),
+        **common.run_meta(
+            model=name, buffer=args.buffer, window=args.window, lam=args.lam, share=args.share
+        ),
         **info,
         "prompt_tokens": lens,
         "new_tokens": args.new_tokens,
     }
-    comp = {"buffer": args.buffer, "window": args.window, "lam": args.lam}
+    comp = {"buffer": args.buffer, "window": args.window, "lam": args.lam, "share": args.share}
 
     ref, wall = run_score(model, seqs, lens, method="full")
     # The FullKV rescoring should predict its own greedy trace; less than 1 means argmax ties
@@ -196,7 +199,8 @@ def table(rows: list[dict]) -> str:
     r0 = rows[0]
     head = (
         f"{r0['model']}: {len(r0['prompt_tokens'])} FullKV greedy traces of {r0['new_tokens']} "
-        f"tokens, teacher-forced; buffer {r0['buffer']}, window {r0['window']}, lam {r0['lam']}; "
+        f"tokens, teacher-forced; buffer {r0['buffer']}, window {r0['window']}, lam {r0['lam']}, "
+        f"shared kept sets: {r0.get('share', 'none')}; "
         "KL(FullKV || method) per position, dNLL: trace NLL increase per token (nats)."
     )
     columns = [

@@ -39,6 +39,17 @@ def check_window(window, n: int | None = None) -> None:
         raise ValueError(f"window={window} is larger than the n={n} keys")
 
 
+SHARES = ("none", "heads", "layers", "all")
+
+
+def check_share(share) -> None:
+    """Which kept sets a compression shares: "none" (one per layer and KV head), "heads" (one
+    per layer, from the scores averaged over its KV heads), "layers" (one per KV head, from the
+    scores summed over the layers) or "all" (one per row)."""
+    if share not in SHARES:
+        raise ValueError(f"share must be one of {', '.join(SHARES)}, got {share!r}")
+
+
 def check_budget(budget, window, n: int | None = None) -> None:
     """Keys kept per (row, KV head), the window's included: window < budget (<= n)."""
     check_int("budget", budget, 1)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import jax
 
-from rkvjax import api, evaluation, jobs, policies, requests, sharding, xla_flags
+from rkvjax import api, checks, defaults, evaluation, jobs, policies, requests, sharding, xla_flags
 from rkvjax.config import compression_config, method_names
-from rkvjax.defaults import BUFFER
 from rkvjax.sampling import SamplingParams
 
 
@@ -27,8 +26,8 @@ def _add_generation_args(
 ) -> None:
     """The model, cache and sampling flags; `sampling` overrides the defaults of temperature,
     top_p and max_new_tokens (their help shows the parser's own)."""
-    defaults = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": api.DEFAULT_MAX_NEW_TOKENS}
-    defaults.update(sampling or {})
+    shown = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": api.DEFAULT_MAX_NEW_TOKENS}
+    shown.update(sampling or {})
     p.add_argument(
         "--model",
         default=api.DEFAULT_MODEL,
@@ -40,7 +39,7 @@ def _add_generation_args(
         "--max-tokens",
         dest="max_new_tokens",
         type=int,
-        default=defaults["max_new_tokens"],
+        default=shown["max_new_tokens"],
         help=f"tokens to generate at most per sample {max_tokens_help}",
     )
     p.add_argument(
@@ -66,7 +65,18 @@ def _add_generation_args(
         "longest prompt + max tokens written with a point (0.1, 1.0); omit for FullKV",
     )
     p.add_argument(
-        "--buffer", type=int, default=BUFFER, help="new tokens between compressions (%(default)s)"
+        "--buffer",
+        type=int,
+        default=defaults.BUFFER,
+        help="new tokens between compressions (%(default)s)",
+    )
+    p.add_argument(
+        "--share",
+        choices=checks.SHARES,
+        default=defaults.SHARE,
+        help="one kept set per (layer, KV head) (none, the default), per layer (heads: scores "
+        "averaged over KV heads), per KV head (layers: scores summed over layers), or per row "
+        "(all)",
     )
     p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
     s = p.add_argument_group("sampling (vLLM's SamplingParams; a job's lines may override them)")
@@ -74,10 +84,10 @@ def _add_generation_args(
     s.add_argument(
         "--temperature",
         type=float,
-        default=defaults["temperature"],
+        default=shown["temperature"],
         help="0 = greedy (default: %(default)s)",
     )
-    s.add_argument("--top-p", type=float, default=defaults["top_p"], help="(default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=shown["top_p"], help="(default: %(default)s)")
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--min-p", type=float, default=0.0)
     s.add_argument("--repetition-penalty", type=float, default=1.0)
@@ -259,6 +269,7 @@ def _cache(args: argparse.Namespace) -> dict:
         "budget": args.budget,
         "buffer": args.buffer,
         "think_only": args.think_only,
+        **({"share": args.share} if args.share != defaults.SHARE else {}),  # old headers match
         **options,
     }
 
@@ -505,7 +516,12 @@ def _enable_compile_cache() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:  # the parser lists the registered methods, plug-ins included: they may fail to load
+        parser = _parser()
+    except ValueError as e:
+        print(f"rkvjax: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     xla_flags.prefer_memory_on_cpu()
     try:
         if args.command == "merge":  # files only: no devices, no model

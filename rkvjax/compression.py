@@ -20,7 +20,9 @@ METHODS = ("rkv", "snapkv", "streaming")
 __all__ = [
     "METHODS",
     "SINKS",
+    "candidate_scores",
     "importance",
+    "keep",
     "keep_indices",
     "redundancy",
     "redundancy_scores",
@@ -68,10 +70,23 @@ def select(
       ValueError: for "full", unknown methods or options, mismatched shapes and invalid
         settings.
     """
+    policy = policies.resolve(method, **options)  # in the order a caller fixes them
+    checks.check_inputs(queries, keys, valid, window=window)
+    checks.check_budget(budget, window, keys.shape[2])
+    score = candidate_scores(policy, queries, keys, valid, window=window, impl=impl, target=target)
+    return keep(score, budget, window, impl=impl, target=target)
+
+
+def candidate_scores(
+    method, queries, keys, valid, *, window=WINDOW, impl=None, target=None, **options
+):
+    """The method's scores of the n - W candidates as the keep rule reads them: float32
+    [B, K, n - W], -inf at keys that are not there (arguments as in `select`). Scores of
+    several layers or heads may be combined (summed, averaged) before `keep`, for kept sets
+    shared across them."""
     policy = policies.resolve(method, **options)
     checks.check_inputs(queries, keys, valid, window=window)
-    b, k_heads, n, _ = keys.shape
-    checks.check_budget(budget, window, n)
+    n = keys.shape[2]
     n_cand = n - window
     valid = valid | (jnp.arange(n) >= n_cand)  # [B, K, n]
     cand = valid[..., :n_cand]  # [B, K, n-W]
@@ -85,8 +100,23 @@ def select(
     # Defensive: top_k orders floats totally (-0.0 < +0.0), which would break "lower position
     # first" between equal scores; `where` survives jit, where `+ 0.0` is folded away.
     score = jnp.where(score == 0, 0.0, score)  # [B, K, n-W]
-    score = jnp.where(cand, score, -jnp.inf)
-    # Ascending positions of the top scores, ties towards the lower index (tested).
+    return jnp.where(cand, score, -jnp.inf)
+
+
+def keep(score, budget, window, *, impl=None, target=None):
+    """The keep rule: the top `budget - window` candidates by score (ties towards the lower
+    position, -inf last) and then the window's W positions.
+
+    Args:
+      score: [B, K, n - W] float32 (`candidate_scores`).
+      budget, window: as in `select` (static).
+
+    Returns:
+      int32 [B, K, budget] ascending positions, the window last.
+    """
+    b, k_heads, n_cand = score.shape
+    n = n_cand + window
+    checks.check_budget(budget, window, n)
     top = topk_positions(score, budget - window, impl=impl, target=target)  # [B, K, budget-W]
     obs = jnp.broadcast_to(jnp.arange(n_cand, n), (b, k_heads, window))  # [B, K, W]
     return jnp.concatenate([top, obs], axis=-1).astype(jnp.int32)

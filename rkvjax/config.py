@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from rkvjax import checks, policies
-from rkvjax.defaults import ANSWER_SLOTS, BUFFER, WINDOW
+from rkvjax.defaults import ANSWER_SLOTS, BUFFER, SHARE, WINDOW
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,6 +87,7 @@ class CompressionConfig:
     buffer: int = BUFFER  # decoded tokens appended between compressions
     window: int = WINDOW  # W: its queries score the other tokens; its K/V are always kept
     policy: policies.Policy | None = None  # the method and its options (None for "full")
+    share: str = SHARE  # kept sets per (layer, KV head), or shared: `checks.check_share`
     think_end_id: int | None = None  # stop compressing a row once it emits this token
     answer_slots: int = 0  # extra slots for the answer after think_end_id (think-only mode)
     pallas: bool | None = None  # Pallas kernels: None = auto (`scores.use_pallas`), or force
@@ -107,6 +108,7 @@ class CompressionConfig:
         checks.check_budget(self.budget, self.window)
         checks.check_int("buffer", self.buffer, 1)
         checks.check_int("answer_slots", self.answer_slots, 0)
+        checks.check_share(self.share)
         if self.pallas not in (None, True, False):
             raise ValueError(f"pallas must be None, True or False, got {self.pallas!r}")
         if self.answer_slots and self.think_end_id is None:
@@ -138,6 +140,7 @@ def compression_config(
     think_end_id: int | None = None,
     answer_slots: int | None = None,
     pallas: bool | None = None,
+    share: str = SHARE,
     **options,
 ) -> CompressionConfig:
     """The one place user-facing cache settings become a validated `CompressionConfig`.
@@ -154,6 +157,7 @@ def compression_config(
     """
     if method not in method_names():
         raise ValueError(f"method must be one of {method_names()}, got {method!r}")
+    checks.check_share(share)
     if method == "full":
         policies.check_unused(options)
         policy = None
@@ -177,6 +181,7 @@ def compression_config(
         buffer=buffer,
         window=window,
         policy=policy,
+        share=share,
         think_end_id=think_end_id,
         answer_slots=(ANSWER_SLOTS if answer_slots is None else answer_slots)
         if think_end_id

@@ -6,6 +6,7 @@ defines its own in its dataclass."""
 WINDOW = 8  # W: the newest tokens, always kept; their queries score the others
 BUFFER = 128  # decoded tokens appended between compressions
 ANSWER_SLOTS = 512  # think-only mode: slots for the answer once a row stops thinking
+SHARE = "none"  # a kept set per (layer, KV head); "heads", "layers" or "all" share one per row
 
 # The built-in methods' hyperparameters (RKV_SPEC.md).
 KERNEL = 7  # importance max-pool width (R-KV, SnapKV)

@@ -10,6 +10,7 @@ the automatic partitioner would all-gather the scores for `top_k`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,57 @@ def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int) -> jax.Array
         target=cc.target,
     )
     return kv.valid_first(idx, slot_pos)
+
+
+def _select_layers(cc: CompressionConfig, qs, ks, sps, budget: int, heads_axis=None) -> list:
+    """Kept slots [B, K, budget] of every layer (real tokens first in position order): one set
+    per (layer, KV head), or shared as `cc.share` says.
+
+    Shared sets score every layer and head first: "layers" sums the scores over the layers
+    (one set per KV head, the same in every layer), "heads" averages them over the KV heads
+    (one set per layer), "all" does both (one set per row). A shared set stays shared, so the
+    layers and heads of a row hold the same positions and their scores line up.
+
+    Args:
+      qs, ks, sps: L x the window's queries [B, N, W, H], keys [B, K, n, H] and slot
+        positions [B, K, n].
+      heads_axis: the mesh axis the KV heads are split over inside `shard_map` (None: every
+        head is here): an average over heads gathers them all first.
+    """
+    if cc.share == "none":
+        return [_select(cc, q, k, sp, budget) for q, k, sp in zip(qs, ks, sps, strict=True)]
+    kw = dict(window=cc.window, impl=cc.pallas, target=cc.target)
+    scores = [
+        compression.candidate_scores(cc.policy, q, k, sp >= 0, **kw)
+        for q, k, sp in zip(qs, ks, sps, strict=True)
+    ]  # L x [B, K, n - W]
+    if cc.share in ("layers", "all"):
+        scores = [functools.reduce(jnp.add, scores)]
+    if cc.share in ("heads", "all"):
+        scores = [_mean_over_heads(x, heads_axis) for x in scores]
+    idx = [compression.keep(x, budget, **kw) for x in scores]
+    if len(idx) == 1:
+        idx = idx * len(sps)
+    return [kv.valid_first(i, sp) for i, sp in zip(idx, sps, strict=True)]
+
+
+def _mean_over_heads(score: jax.Array, heads_axis) -> jax.Array:
+    """[B, K, m] scores (-inf: not there) -> their mean over the KV heads, in every head.
+
+    With the heads split over devices, each gathers all of them and sums in head order, so
+    the mean is the one device's to the bit (a psum's order of addition would not be)."""
+    if heads_axis is not None:
+        score = jax.lax.all_gather(score, heads_axis, axis=1, tiled=True)  # [B, K_all, m]
+    present = score > -jnp.inf
+    total = jnp.sum(jnp.where(present, score, 0.0), axis=1, keepdims=True)  # [B, 1, m]
+    count = jnp.sum(present, axis=1, keepdims=True)  # [B, 1, m]
+    mean = jnp.where(count > 0, total / jnp.maximum(count, 1), -jnp.inf)
+    if heads_axis is not None:
+        local = score.shape[1] // jax.lax.axis_size(heads_axis)
+        present = jax.lax.dynamic_slice_in_dim(
+            present, jax.lax.axis_index(heads_axis) * local, local, axis=1
+        )
+    return jnp.where(present, mean, -jnp.inf)  # [B, K, m]
 
 
 def prefill_cache(
@@ -67,7 +119,35 @@ def prefill_cache(
     w = cc.window
     q_win = tuple(jnp.swapaxes(q[:, p - w :], 1, 2) for q in qs) if cc.compressing else ()
     squeeze = cc.compressing and p > cc.budget
-    if squeeze:
+    shared = squeeze and cc.share != "none"
+    if shared:  # one selection over every layer's scores: all layers in one call
+        n = len(ks)
+        heads_axis = rules.kv_heads if rules is not None else None
+
+        def squeeze_all(q_win, ks_, vs_, sp):
+            idx = _select_layers(cc, q_win, ks_, [sp] * n, cc.budget, heads_axis)
+            return tuple(
+                zip(
+                    *[
+                        kv.gather_slots(layers.as_storage(k), layers.as_storage(v), sp, i)
+                        for k, v, i in zip(ks_, vs_, idx, strict=True)
+                    ],
+                    strict=True,
+                )
+            )
+
+        shared_out = sharding.local(
+            squeeze_all,
+            rules,
+            ((kv.QWIN_AXES,) * n, (kv.KV_AXES,) * n, (kv.KV_AXES,) * n, kv.SLOT_AXES),
+            ((kv.KV_AXES,) * n, (kv.KV_AXES,) * n, (kv.SLOT_AXES,) * n),
+        )(
+            q_win,
+            tuple(jnp.swapaxes(k, 1, 2) for k in ks),
+            tuple(jnp.swapaxes(v, 1, 2) for v in vs),
+            sp,
+        )
+    elif squeeze:
         squeezed = sharding.local(
             lambda q, k, v, sp: kv.gather_slots(
                 layers.as_storage(k), layers.as_storage(v), sp, _select(cc, q, k, sp, cc.budget)
@@ -81,7 +161,9 @@ def prefill_cache(
     k_out, v_out, sp_out = [], [], []
     for i in range(len(ks)):
         k, v = jnp.swapaxes(ks[i], 1, 2), jnp.swapaxes(vs[i], 1, 2)  # [B, K, P, H]
-        if squeeze:
+        if shared:
+            gk, gv, gsp = (x[i] for x in shared_out)
+        elif squeeze:
             gk, gv, gsp = squeezed(q_win[i], k, v, sp)
         else:
             gk, gv, gsp = kv.gather_slots(layers.as_storage(k), layers.as_storage(v), sp, order)
@@ -170,7 +252,10 @@ def compress_lanes(
             ks, vs, sps, length = args
             picked = [tuple(x[jnp.minimum(rows, b - 1)] for x in xs) for xs in (ks, vs, sps, qs)]
             at = jnp.minimum(rows, b - 1)
-            new_k, new_v, new_sp, kept = _compress_block(*picked, length[at], cc, cache.dtype)
+            heads = rules.kv_heads if rules is not None else None
+            new_k, new_v, new_sp, kept = _compress_block(
+                *picked, length[at], cc, cache.dtype, heads
+            )
 
             def put(x, new):
                 return x.at[rows].set(new, mode="drop")
@@ -222,7 +307,7 @@ def compress_lanes(
     return cache, fired, lane_rows, lane_num, log
 
 
-def _compress_block(ks, vs, sps, qs, length, cc: CompressionConfig, dtype):
+def _compress_block(ks, vs, sps, qs, length, cc: CompressionConfig, dtype, heads_axis=None):
     """Brings every row of a block back to `budget` slots.
 
     Args:
@@ -232,6 +317,8 @@ def _compress_block(ks, vs, sps, qs, length, cc: CompressionConfig, dtype):
       length: [R] int32 occupied slots.
       cc: compression settings (static).
       dtype: the keys' dtype (static; the cache stores bfloat16 as uint16).
+      heads_axis: the mesh axis of the KV heads inside `shard_map` (for kept sets shared
+        over heads).
 
     Returns:
       (ks, vs, sps) compacted, each row's kept tokens first in position order, and the new
@@ -243,14 +330,29 @@ def _compress_block(ks, vs, sps, qs, length, cc: CompressionConfig, dtype):
     # capacity (think-only: trigger < capacity) holds its newest tokens at
     # [length - W, length): rotate it to end at slot C - 1 first (empty slots go first).
     roll = (jnp.arange(c)[None, :] + length[:, None]) % c if c > cc.trigger else None
-    for k, v, sp, q in zip(ks, vs, sps, qs, strict=True):
+    if cc.share == "none":  # layer by layer: one layer's temporaries live at a time
+        for k, v, sp, q in zip(ks, vs, sps, qs, strict=True):
+            if roll is not None:
+                k, v, sp = kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
+            keys = layers.from_storage(k, dtype)
+            idx = _select(cc, q, keys, sp, cc.budget)  # [R, K, budget]
+            gk, gv, gsp = kv.gather_slots(k, v, sp, idx)
+            out_k.append(kv.pad_slots(gk, c))
+            out_v.append(kv.pad_slots(gv, c))
+            out_sp.append(kv.pad_slots(gsp, c, -1))
+    else:
         if roll is not None:
-            k, v, sp = kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
-        keys = layers.from_storage(k, dtype)
-        idx = _select(cc, q, keys, sp, cc.budget)  # [R, K, budget]
-        gk, gv, gsp = kv.gather_slots(k, v, sp, idx)
-        out_k.append(kv.pad_slots(gk, c))
-        out_v.append(kv.pad_slots(gv, c))
-        out_sp.append(kv.pad_slots(gsp, c, -1))
+            rolled = [
+                kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
+                for k, v, sp in zip(ks, vs, sps, strict=True)
+            ]
+            ks, vs, sps = (tuple(x) for x in zip(*rolled, strict=True))
+        keys = [layers.from_storage(k, dtype) for k in ks]
+        idxs = _select_layers(cc, qs, keys, sps, cc.budget, heads_axis)
+        for k, v, sp, idx in zip(ks, vs, sps, idxs, strict=True):
+            gk, gv, gsp = kv.gather_slots(k, v, sp, idx)
+            out_k.append(kv.pad_slots(gk, c))
+            out_v.append(kv.pad_slots(gv, c))
+            out_sp.append(kv.pad_slots(gsp, c, -1))
     kept = jnp.sum(out_sp[0][:, 0] >= 0, axis=-1).astype(jnp.int32)  # [R]
     return tuple(out_k), tuple(out_v), tuple(out_sp), kept

@@ -129,6 +129,7 @@ def test_registry_lists_the_builtins_and_builds_them():
         (lambda: compression_config("keydiff", 32, lam=1.5), r"lam must be in \[0, 1\]"),
         (lambda: compression_config("keydiff", 32, sinks=2), "'keydiff' has no option 'sinks'"),
         (lambda: compression_config("full", None, sinks=2), "method 'full' has no options"),
+        (lambda: compression_config("rkv", 32, share="both"), "share must be one of none, heads"),
         (
             lambda: CompressionConfig(method="rkv", budget=16, policy=policies.SnapKV()),
             "is not method 'rkv'",
@@ -421,3 +422,78 @@ def test_the_readme_policy_example_runs(smol_dir, tmp_path):
     assert compressions >= 1, outputs[0].stdout
     rows = (tmp_path / "bench" / "fidelity" / "results.jsonl").read_text().splitlines()
     assert {"keynorm", "rkv"} <= {json.loads(r)["method"] for r in rows}
+
+
+def test_a_plugin_that_fails_to_import_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv(policies.PLUGINS_ENV, "no_such_policy_module")
+    monkeypatch.setattr(policies.base, "_plugins_loaded", False)
+    assert cli.main(["generate", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "rkvjax: error: $RKVJAX_POLICIES: cannot import 'no_such_policy_module': "
+        "No module named 'no_such_policy_module'\n"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Kept sets shared over heads, layers or both.
+
+
+def _shared_reference(method, qs, ks, r, n, *, budget, share):
+    """[L, K, budget] kept positions of row r holding its first n tokens, the method's NumPy
+    scores summed over layers ("layers", "all") and averaged over KV heads ("heads", "all")."""
+    layers_, kh = len(ks), ks[0].shape[2]
+    g = qs[0].shape[2] // kh
+    score = np.zeros((layers_, kh, n - W))
+    for layer in range(layers_):
+        q, k = qs[layer][r][:n], ks[layer][r][:n]  # [n, N, H], [n, K, H]
+        for h in range(kh):
+            queries = np.swapaxes(q[n - W :, h * g : (h + 1) * g], 0, 1)[None]  # [1, G, W, H]
+            keys = k[:, h][None, None]  # [1, 1, n, H]
+            if method == "rkv":
+                score[layer, h] = reference.rkv_numpy.rkv_scores(queries, keys)[0, 0]
+            else:
+                score[layer, h] = keydiff_numpy.scores(keys, window=W)[0, 0]
+    if share in ("layers", "all"):
+        score = np.broadcast_to(score.sum(0, keepdims=True), score.shape)
+    if share in ("heads", "all"):
+        score = np.broadcast_to(score.mean(1, keepdims=True), score.shape)
+    return keydiff_numpy.keep_by_scores(score, budget=budget, window=W, n=n)
+
+
+@pytest.mark.parametrize("share", ["heads", "layers", "all"])
+@pytest.mark.parametrize("method", ["rkv", "keydiff"])
+def test_shared_kept_sets_match_reference(llama, method, share):
+    """The prompt's compression (a 30-token prompt) and the first decode compression of a short
+    one (9 tokens, at budget + buffer): the kept sets are shared as asked and equal the
+    reference over the combined scores; each row as alone."""
+    prompts = [_prompt(30, 31), _prompt(9, 32)]
+    kw = dict(method=method, budget=BUDGET, buffer=BUFFER, share=share, record_kept=True)
+    outs = rkvjax.generate(llama, prompts, max_new_tokens=30, **kw)
+    qs, ks = _full_qk(llama, [p + o.token_ids for p, o in zip(prompts, outs, strict=True)], 64)
+    for r, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        assert out.stats.compressions >= 2
+        kept = out.kept_positions  # [E, L, K, budget]
+        if share in ("layers", "all"):
+            assert (kept == kept[:, :1]).all()
+        if share in ("heads", "all"):
+            assert (kept == kept[:, :, :1]).all()
+        n = len(p) if len(p) > BUDGET else BUDGET + BUFFER
+        want = _shared_reference(method, qs, ks, r, n, budget=BUDGET, share=share)
+        np.testing.assert_array_equal(kept[0], want, err_msg=f"row {r}")
+        (alone,) = [rkvjax.generate(llama, [p], max_new_tokens=30, **kw)[0]]
+        assert alone.token_ids == out.token_ids
+        np.testing.assert_array_equal(alone.kept_positions, kept)
+
+
+def test_shared_kept_sets_on_a_mesh_equal_one_device(tiny_checkpoint):
+    """Heads split over the model axis: the average over heads gathers them, exactly."""
+    folder = tiny_checkpoint("llama")[0]
+    prompts = [_prompt(n, seed=800 + n) for n in (9, 20, 33)]
+    kw = dict(method="rkv", budget=16, buffer=8, max_new_tokens=40, share="all", record_kept=True)
+    want = rkvjax.generate(_load(folder), prompts, **kw)
+    got = rkvjax.generate(rkvjax.load(folder, dtype="float32", mesh=sub_mesh(2, 2)), prompts, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.stats.compressions == w.stats.compressions >= 2
+        np.testing.assert_array_equal(g.kept_positions, w.kept_positions)
