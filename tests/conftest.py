@@ -115,6 +115,18 @@ SLOWEST_FIRST = (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops every compiled program after each test file. XLA:CPU maps each program's code
+    into memory (several mappings apiece) for as long as it is cached; a worker that ran
+    hundreds of files' programs passed the kernel's limit of 65,530 mappings and crashed
+    compiling the next (a segfault or an abort, then a stalled pytest-xdist run)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 def _file_rank(item) -> int:
     name = item.path.name
     return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)

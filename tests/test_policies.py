@@ -511,9 +511,8 @@ print("ok")
 def test_shared_kept_sets_on_a_mesh_equal_one_device(tiny_checkpoint):
     """Heads split over the model axis: the average over heads gathers them, exactly.
 
-    In a process of its own: once, late in a test worker that had compiled hundreds of
-    programs, XLA:CPU crashed (a segfault) compiling this run's programs, and the worker's
-    crash stalled the whole pytest-xdist run; alone it has always passed."""
+    In a process of its own, so that it starts with few memory mappings (see conftest's
+    `_free_compiled_programs`: late in a worker, XLA:CPU crashed compiling this run)."""
     folder = tiny_checkpoint("llama")[0]
     done = subprocess.run(
         [sys.executable, "-c", _MESH_SHARE, str(folder)],
