@@ -122,8 +122,6 @@ def _free_compiled_programs():
     hundreds of files' programs passed the kernel's limit of 65,530 mappings and crashed
     compiling the next (a segfault or an abort, then a stalled pytest-xdist run)."""
     yield
-    import jax
-
     jax.clear_caches()
 
 
