@@ -36,8 +36,13 @@ class KVCache:
     v: tuple[jax.Array, ...]  # L x [B, K, C, H] values, as_storage(dtype)
     slot_pos: tuple[jax.Array, ...]  # L x [B, K, C] int32 logical position, -1 = empty
     q_win: tuple[jax.Array, ...]  # L x [B, N, W, H] the last W queries (empty for FullKV)
+    # L x [B, K, C] float32 a policy's per-key state (`Policy.state`: attention received),
+    # moved with its key; empty for methods without one.
+    acc: tuple[jax.Array, ...]
     length: jax.Array  # [B] int32: occupied slots per row = where the next token is written
     pos: jax.Array  # [B] int32: logical (RoPE) position of the next token
+    prompt: jax.Array  # [B] int32: the row's prompt length (policies that keep the prompt)
+    seed: jax.Array  # [B] uint32: the request's seed (policies that draw at random)
     dtype: Any = dataclasses.field(metadata={"static": True})  # of the keys and values
 
     def __post_init__(self):
@@ -79,8 +84,11 @@ def axes(cache: KVCache) -> KVCache:
         v=(KV_AXES,) * n,
         slot_pos=(SLOT_AXES,) * n,
         q_win=(QWIN_AXES,) * len(cache.q_win),  # none for FullKV
+        acc=(SLOT_AXES,) * len(cache.acc),
         length=ROW_AXES,
         pos=ROW_AXES,
+        prompt=ROW_AXES,
+        seed=ROW_AXES,
     )
 
 
@@ -114,7 +122,12 @@ def gather_slots(
     def take(x):
         return jnp.take_along_axis(x, idx[..., None], axis=2)
 
-    return take(k), take(v), jnp.take_along_axis(slot_pos, idx, axis=-1)
+    return take(k), take(v), take_slots(slot_pos, idx)
+
+
+def take_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, K, n] (slot positions, per-key state), idx [B, K, m] -> [B, K, m]."""
+    return jnp.take_along_axis(x, idx, axis=-1)
 
 
 def pad_slots(x: jax.Array, capacity: int, value=0) -> jax.Array:
@@ -214,6 +227,19 @@ def write(
     )
 
 
+def add_attention(cache: KVCache, layer: int, weights: jax.Array, go: jax.Array | None) -> KVCache:
+    """Adds one decode step's attention weights [B, K, C] (summed over each KV head's query
+    group) to `layer`'s per-key state, for the rows in `go` [B] bool (None: all); a no-op for a
+    cache without one. Empty slots get no weight (attention masks them), so the slot a new
+    token was just written to starts from its own weight."""
+    if not cache.acc:
+        return cache
+    if go is not None:
+        weights = jnp.where(go[:, None, None], weights, 0.0)
+    acc = cache.acc[layer] + weights.astype(jnp.float32)
+    return dataclasses.replace(cache, acc=_replace_layer(cache.acc, layer, acc))
+
+
 def advance(cache: KVCache, go: jax.Array | None = None) -> KVCache:
     """After every layer has appended the step's token: one more slot used, next position
     (only for the rows in `go` [B] bool, when given)."""
@@ -230,8 +256,11 @@ def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
         v=take(cache.v),
         slot_pos=take(cache.slot_pos),
         q_win=take(cache.q_win),
+        acc=take(cache.acc),
         length=cache.length[rows],
         pos=cache.pos[rows],
+        prompt=cache.prompt[rows],
+        seed=cache.seed[rows],
     )
 
 
@@ -250,13 +279,19 @@ def put_rows(cache: KVCache, rows: jax.Array, new: KVCache) -> KVCache:
         v=put(cache.v, new.v),
         slot_pos=put(cache.slot_pos, new.slot_pos),
         q_win=put(cache.q_win, new.q_win),
+        acc=put(cache.acc, new.acc),
         length=cache.length.at[rows].set(new.length, mode="drop"),
         pos=cache.pos.at[rows].set(new.pos, mode="drop"),
+        prompt=cache.prompt.at[rows].set(new.prompt, mode="drop"),
+        seed=cache.seed.at[rows].set(new.seed, mode="drop"),
     )
 
 
-def empty(cfg: ModelConfig, rows: int, capacity: int, dtype, window: int) -> KVCache:
-    """A cache of `rows` empty rows (every slot -1); `window` 0 for methods without queries."""
+def empty(
+    cfg: ModelConfig, rows: int, capacity: int, dtype, window: int, state: bool = False
+) -> KVCache:
+    """A cache of `rows` empty rows (every slot -1); `window` 0 for methods without queries,
+    `state` for methods that keep a per-key state (`Policy.state`)."""
     storage = layers.as_storage(jnp.zeros((), dtype)).dtype
     n, k, h = cfg.num_layers, cfg.kv_heads, cfg.head_dim
 
@@ -268,7 +303,10 @@ def empty(cfg: ModelConfig, rows: int, capacity: int, dtype, window: int) -> KVC
         v=zeros((rows, k, capacity, h), storage),
         slot_pos=tuple(jnp.full((rows, k, capacity), -1, jnp.int32) for _ in range(n)),
         q_win=zeros((rows, cfg.q_heads, window, h), dtype) if window else (),
+        acc=zeros((rows, k, capacity), jnp.float32) if state else (),
         length=jnp.zeros((rows,), jnp.int32),
         pos=jnp.zeros((rows,), jnp.int32),
+        prompt=jnp.zeros((rows,), jnp.int32),
+        seed=jnp.zeros((rows,), jnp.uint32),
         dtype=dtype,
     )

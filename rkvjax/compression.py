@@ -34,7 +34,17 @@ __all__ = [
 
 
 def select(
-    method, queries, keys, valid, *, budget, window=WINDOW, impl=None, target=None, **options
+    method,
+    queries,
+    keys,
+    valid,
+    *,
+    budget,
+    window=WINDOW,
+    impl=None,
+    target=None,
+    context=None,
+    **options,
 ):
     """Keep set of one compression step over keys with a validity mask.
 
@@ -59,6 +69,8 @@ def select(
         redundancy kernel on GPU/TPU when the dense n x n matrix would be large; see
         `use_pallas`).
       target: the `tuning.Target` it runs on (default: the process's default device).
+      context: a `rkvjax.policies.Context` for methods that read one (positions, prompt
+        lengths, seeds, per-key state); None: `Context.plain(keys)`.
       **options: the method's hyperparameters (static numbers), e.g. R-KV's kernel, lam,
         threshold, retain; R-KV's names are taken (and checked) for every method.
 
@@ -73,12 +85,14 @@ def select(
     policy = policies.resolve(method, **options)  # in the order a caller fixes them
     checks.check_inputs(queries, keys, valid, window=window)
     checks.check_budget(budget, window, keys.shape[2])
-    score = candidate_scores(policy, queries, keys, valid, window=window, impl=impl, target=target)
+    score = candidate_scores(
+        policy, queries, keys, valid, window=window, impl=impl, target=target, context=context
+    )
     return keep(score, budget, window, impl=impl, target=target)
 
 
 def candidate_scores(
-    method, queries, keys, valid, *, window=WINDOW, impl=None, target=None, **options
+    method, queries, keys, valid, *, window=WINDOW, impl=None, target=None, context=None, **options
 ):
     """The method's scores of the n - W candidates as the keep rule reads them: float32
     [B, K, n - W], -inf at keys that are not there (arguments as in `select`). Scores of
@@ -90,7 +104,16 @@ def candidate_scores(
     n_cand = n - window
     valid = valid | (jnp.arange(n) >= n_cand)  # [B, K, n]
     cand = valid[..., :n_cand]  # [B, K, n-W]
-    score = policy.scores(queries, keys, valid, impl=impl, target=target)  # [B, K, n-W]
+    kw = dict(impl=impl, target=target)
+    if policy.context:
+        kw["context"] = policies.Context.plain(keys) if context is None else context
+        if policy.state is not None and kw["context"].state is None:
+            raise ValueError(
+                f"method {policy.name!r} scores keys by the {policy.state} they received while "
+                "decoding, which only the engine tracks: run it through rkvjax.generate or "
+                "rkvjax.Engine, not on keys alone"
+            )
+    score = policy.scores(queries, keys, valid, **kw)  # [B, K, n-W]
     if score.shape != cand.shape:
         raise ValueError(
             f"method {policy.name!r} scored shape {score.shape}, expected [B, K, n - W] = "

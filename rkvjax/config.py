@@ -119,6 +119,11 @@ class CompressionConfig:
         return self.method != "full"
 
     @property
+    def state(self) -> str | None:
+        """The per-key state the cache carries for the policy (`Policy.state`), or None."""
+        return None if self.policy is None else self.policy.state
+
+    @property
     def trigger(self) -> int:
         """Slots at which a (thinking) row is compressed back to `budget`."""
         return self.budget + self.buffer

@@ -150,8 +150,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_axis: int
-) -> jax.Array:
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_axis: int, weights=False
+):
     """Grouped-query attention with an explicit boolean mask, softmax in float32.
 
     Args:
@@ -160,9 +160,12 @@ def attention(
         (`kv_axis=2`, the cache layout).
       mask: [B, T, S] or [B, K, T, S]: True where the query may attend to the key.
       kv_axis: where the key axis S sits in k and v.
+      weights: also return the attention each key received (static).
 
     Returns:
-      [B, T, N, H] in q's dtype.
+      [B, T, N, H] in q's dtype; with `weights`, also float32 [B, K, S]: each key's softmax
+      weights summed over the queries (T) and each KV head's query group (G). A query that
+      may attend to nothing (a pad) adds nothing.
     """
     b, t, n, h = q.shape
     kh = k.shape[2] if kv_axis == 1 else k.shape[1]
@@ -179,11 +182,17 @@ def attention(
     logits = logits * (1.0 / math.sqrt(h))
     m = mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]  # [B, K|1, 1, T, S]
     logits = jnp.where(m, logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
+    probs32 = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S]
+    probs = probs32.astype(v.dtype)
     # Output in the scores' order: asked for [B, T, K, G, H] directly, XLA:CPU computed the
     # transposed product and so copied every layer's V cache into [K, H, S] on each decode step.
     out = jnp.einsum(f"BKGTS,{kv_spec}->BKGTH", probs, v, preferred_element_type=jnp.float32)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+    if not weights:
+        return out
+    seeing = jnp.any(m, axis=-1, keepdims=True)  # [B, K|1, 1, T, 1] queries with any key
+    received = jnp.sum(jnp.where(seeing, probs32, 0.0), axis=(2, 3))
+    return out, received  # [B, K, S]
 
 
 def causal_mask(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:

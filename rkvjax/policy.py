@@ -11,16 +11,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from rkvjax import cache as kv
-from rkvjax import compression, layers, sharding
+from rkvjax import compression, layers, policies, sharding
 from rkvjax.config import CompressionConfig
 
 
-def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int) -> jax.Array:
+class Rows(NamedTuple):
+    """Per-row values a policy's `Context` holds besides the keys' positions and state."""
+
+    pos: jax.Array  # [B] int32 next position
+    prompt: jax.Array  # [B] int32 prompt length
+    seed: jax.Array  # [B] uint32 request seed
+
+
+def _context(rows: Rows, slot_pos, acc, layer: int) -> policies.Context:
+    return policies.Context(slot_pos, *rows, state=acc, layer=layer)
+
+
+def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int, rows, acc, layer) -> jax.Array:
     """Kept slots [B, K, budget] of one layer, real tokens first in position order."""
     idx = compression.select(
         cc.policy,
@@ -31,11 +44,14 @@ def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int) -> jax.Array
         window=cc.window,
         impl=cc.pallas,
         target=cc.target,
+        context=_context(rows, slot_pos, acc, layer),
     )
     return kv.valid_first(idx, slot_pos)
 
 
-def _select_layers(cc: CompressionConfig, qs, ks, sps, budget: int, heads_axis=None) -> list:
+def _select_layers(
+    cc: CompressionConfig, qs, ks, sps, budget: int, rows: Rows, accs, heads_axis=None
+) -> list:
     """Kept slots [B, K, budget] of every layer (real tokens first in position order): one set
     per (layer, KV head), or shared as `cc.share` says.
 
@@ -47,15 +63,23 @@ def _select_layers(cc: CompressionConfig, qs, ks, sps, budget: int, heads_axis=N
     Args:
       qs, ks, sps: L x the window's queries [B, N, W, H], keys [B, K, n, H] and slot
         positions [B, K, n].
+      rows: the rows' positions, prompt lengths and seeds.
+      accs: L x the keys' per-key state [B, K, n], or L x None.
       heads_axis: the mesh axis the KV heads are split over inside `shard_map` (None: every
         head is here): an average over heads gathers them all first.
     """
+    layers_ = range(len(sps))
     if cc.share == "none":
-        return [_select(cc, q, k, sp, budget) for q, k, sp in zip(qs, ks, sps, strict=True)]
+        return [
+            _select(cc, q, k, sp, budget, rows, a, i)
+            for i, q, k, sp, a in zip(layers_, qs, ks, sps, accs, strict=True)
+        ]
     kw = dict(window=cc.window, impl=cc.pallas, target=cc.target)
     scores = [
-        compression.candidate_scores(cc.policy, q, k, sp >= 0, **kw)
-        for q, k, sp in zip(qs, ks, sps, strict=True)
+        compression.candidate_scores(
+            cc.policy, q, k, sp >= 0, context=_context(rows, sp, a, i), **kw
+        )
+        for i, q, k, sp, a in zip(layers_, qs, ks, sps, accs, strict=True)
     ]  # L x [B, K, n - W]
     if cc.share in ("layers", "all"):
         scores = [functools.reduce(jnp.add, scores)]
@@ -65,6 +89,17 @@ def _select_layers(cc: CompressionConfig, qs, ks, sps, budget: int, heads_axis=N
     if len(idx) == 1:
         idx = idx * len(sps)
     return [kv.valid_first(i, sp) for i, sp in zip(idx, sps, strict=True)]
+
+
+def _gather(k, v, sp, acc, idx, capacity: int | None = None):
+    """The picked slots idx [B, K, m] of one layer's keys, values, positions and per-key state
+    (None: none), padded to `capacity` slots when given (empty: position -1, state 0)."""
+    out = [*kv.gather_slots(k, v, sp, idx), None if acc is None else kv.take_slots(acc, idx)]
+    if capacity is None:
+        return tuple(out)
+    gk, gv, gsp, ga = out
+    pad = functools.partial(kv.pad_slots, capacity=capacity)
+    return pad(gk), pad(gv), pad(gsp, value=-1), None if ga is None else pad(ga)
 
 
 def _mean_over_heads(score: jax.Array, heads_axis) -> jax.Array:
@@ -94,6 +129,9 @@ def prefill_cache(
     cc: CompressionConfig,
     capacity: int,
     rules: sharding.ShardingRules | None = None,
+    *,
+    seeds: jax.Array | None = None,
+    weights: tuple[jax.Array, ...] = (),
 ) -> tuple[kv.KVCache, jax.Array]:
     """Places a left-padded prompt into a fresh cache, compressing rows longer than the budget.
 
@@ -109,75 +147,73 @@ def prefill_cache(
       cc: the compression settings (static).
       capacity: C, static slots of the cache.
       rules: sharding rules when running on a mesh (None: one device).
+      seeds: [B] uint32 the requests' seeds (None: 0), for policies that draw at random.
+      weights: L x [B, K, P] the attention each prompt key received, for a policy that keeps
+        it per key (`Policy.state`); () otherwise.
 
     Returns:
       (cache, compressed [B] bool: rows whose prompt was compressed).
     """
     b, p, kh, _ = ks[0].shape
+    n = len(ks)
     sp = jnp.broadcast_to(positions[:, None, :], (b, kh, p)).astype(jnp.int32)  # [B, K, P]
     lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)  # [B]
+    seeds = jnp.zeros((b,), jnp.uint32) if seeds is None else seeds.astype(jnp.uint32)
+    rows = Rows(lengths, lengths, seeds)
     w = cc.window
     q_win = tuple(jnp.swapaxes(q[:, p - w :], 1, 2) for q in qs) if cc.compressing else ()
+    k_in = tuple(jnp.swapaxes(k, 1, 2) for k in ks)  # L x [B, K, P, H]
+    v_in = tuple(jnp.swapaxes(v, 1, 2) for v in vs)
     squeeze = cc.compressing and p > cc.budget
-    shared = squeeze and cc.share != "none"
-    if shared:  # one selection over every layer's scores: all layers in one call
-        n = len(ks)
-        heads_axis = rules.kv_heads if rules is not None else None
+    accs = tuple(weights)  # L x [B, K, P] or ()
+    acc_axes = (kv.SLOT_AXES,) * len(accs)
 
-        def squeeze_all(q_win, ks_, vs_, sp):
-            idx = _select_layers(cc, q_win, ks_, [sp] * n, cc.budget, heads_axis)
-            return tuple(
-                zip(
-                    *[
-                        kv.gather_slots(layers.as_storage(k), layers.as_storage(v), sp, i)
-                        for k, v, i in zip(ks_, vs_, idx, strict=True)
-                    ],
-                    strict=True,
-                )
-            )
+    def squeeze_all(q_win, ks_, vs_, sp, accs, rows):
+        per_layer = accs or (None,) * n
+        idx = _select_layers(
+            cc, q_win, ks_, [sp] * n, cc.budget, rows, per_layer, rules and rules.kv_heads
+        )
+        out = [
+            _gather(layers.as_storage(k), layers.as_storage(v), sp, a, i)
+            for k, v, a, i in zip(ks_, vs_, per_layer, idx, strict=True)
+        ]
+        gk, gv, gsp, ga = (tuple(x) for x in zip(*out, strict=True))
+        return gk, gv, gsp, ga if accs else ()
 
-        shared_out = sharding.local(
+    if squeeze:  # every layer under one shard_map: a shared set reads them all
+        gk, gv, gsp, ga = sharding.local(
             squeeze_all,
             rules,
-            ((kv.QWIN_AXES,) * n, (kv.KV_AXES,) * n, (kv.KV_AXES,) * n, kv.SLOT_AXES),
-            ((kv.KV_AXES,) * n, (kv.KV_AXES,) * n, (kv.SLOT_AXES,) * n),
-        )(
-            q_win,
-            tuple(jnp.swapaxes(k, 1, 2) for k in ks),
-            tuple(jnp.swapaxes(v, 1, 2) for v in vs),
-            sp,
-        )
-    elif squeeze:
-        squeezed = sharding.local(
-            lambda q, k, v, sp: kv.gather_slots(
-                layers.as_storage(k), layers.as_storage(v), sp, _select(cc, q, k, sp, cc.budget)
+            (
+                (kv.QWIN_AXES,) * n,
+                (kv.KV_AXES,) * n,
+                (kv.KV_AXES,) * n,
+                kv.SLOT_AXES,
+                acc_axes,
+                (kv.ROW_AXES,) * 3,
             ),
-            rules,
-            (kv.QWIN_AXES, kv.KV_AXES, kv.KV_AXES, kv.SLOT_AXES),
-            (kv.KV_AXES, kv.KV_AXES, kv.SLOT_AXES),
-        )
+            ((kv.KV_AXES,) * n, (kv.KV_AXES,) * n, (kv.SLOT_AXES,) * n, acc_axes),
+        )(q_win, k_in, v_in, sp, accs, tuple(rows))
     else:  # keep every token: only move the pads out
         order = jnp.argsort(sp < 0, axis=-1, stable=True)  # [B, K, P]
-    k_out, v_out, sp_out = [], [], []
-    for i in range(len(ks)):
-        k, v = jnp.swapaxes(ks[i], 1, 2), jnp.swapaxes(vs[i], 1, 2)  # [B, K, P, H]
-        if shared:
-            gk, gv, gsp = (x[i] for x in shared_out)
-        elif squeeze:
-            gk, gv, gsp = squeezed(q_win[i], k, v, sp)
-        else:
-            gk, gv, gsp = kv.gather_slots(layers.as_storage(k), layers.as_storage(v), sp, order)
-        k_out.append(kv.pad_slots(gk, capacity))
-        v_out.append(kv.pad_slots(gv, capacity))
-        sp_out.append(kv.pad_slots(gsp, capacity, -1))
+        out = [
+            _gather(layers.as_storage(k), layers.as_storage(v), sp, a, order)
+            for k, v, a in zip(k_in, v_in, accs or (None,) * n, strict=True)
+        ]
+        gk, gv, gsp, ga = (tuple(x) for x in zip(*out, strict=True))
+        ga = ga if accs else ()
+    pad = functools.partial(kv.pad_slots, capacity=capacity)
     kept = jnp.minimum(lengths, cc.budget) if squeeze else lengths
     cache = kv.KVCache(
-        k=tuple(k_out),
-        v=tuple(v_out),
-        slot_pos=tuple(sp_out),
+        k=tuple(map(pad, gk)),
+        v=tuple(map(pad, gv)),
+        slot_pos=tuple(pad(x, value=-1) for x in gsp),
         q_win=q_win,
+        acc=tuple(map(pad, ga)),
         length=kept,
         pos=lengths,
+        prompt=lengths,
+        seed=seeds,
         dtype=ks[0].dtype,
     )
     return cache, kept < lengths
@@ -240,41 +276,44 @@ def compress_lanes(
     if num is None:
         num = jnp.zeros(full.shape, jnp.int32)
     budget, n = cc.budget, len(cache.k)
+    acc_axes = (kv.SLOT_AXES,) * len(cache.acc)
 
-    def body(ks, vs, sps, qs, full, length, num, start):  # on a mesh: one device's block
+    def body(ks, vs, sps, qs, accs, full, length, num, rows, start):  # on a mesh: a device's
         b = full.shape[0]
         offset = 0 if rules is None or rules.batch is None else jax.lax.axis_index(rules.batch) * b
         order = (jnp.arange(b) + start % b) % b  # [B] rows in priority order
         pick = jnp.nonzero(full[order], size=lanes, fill_value=b)[0]  # [lanes]
-        rows = jnp.where(pick < b, order[jnp.minimum(pick, b - 1)], b)  # [lanes], b = no row
+        picked_rows = jnp.where(pick < b, order[jnp.minimum(pick, b - 1)], b)  # b = no row
 
         def run(args):
-            ks, vs, sps, length = args
-            picked = [tuple(x[jnp.minimum(rows, b - 1)] for x in xs) for xs in (ks, vs, sps, qs)]
-            at = jnp.minimum(rows, b - 1)
+            ks, vs, sps, accs, length = args
+            at = jnp.minimum(picked_rows, b - 1)
+            picked = [tuple(x[at] for x in xs) for xs in (ks, vs, sps, qs, accs)]
             heads = rules.kv_heads if rules is not None else None
-            new_k, new_v, new_sp, kept = _compress_block(
-                *picked, length[at], cc, cache.dtype, heads
+            new_k, new_v, new_sp, new_acc, kept = _compress_block(
+                *picked, length[at], Rows(*(x[at] for x in rows)), cc, cache.dtype, heads
             )
 
             def put(x, new):
-                return x.at[rows].set(new, mode="drop")
+                return x.at[picked_rows].set(new, mode="drop")
 
             return (
                 tuple(map(put, ks, new_k)),
                 tuple(map(put, vs, new_v)),
                 tuple(map(put, sps, new_sp)),
-                length.at[rows].set(kept, mode="drop"),
+                tuple(map(put, accs, new_acc)),
+                length.at[picked_rows].set(kept, mode="drop"),
             )
 
-        ks, vs, sps, length = jax.lax.cond(
-            jnp.any(full), run, lambda args: args, (ks, vs, sps, length)
+        ks, vs, sps, accs, length = jax.lax.cond(
+            jnp.any(full), run, lambda args: args, (ks, vs, sps, accs, length)
         )
-        fired = jnp.zeros((b,), bool).at[rows].set(True, mode="drop")
-        log = jnp.stack([sp[jnp.minimum(rows, b - 1), :, :budget] for sp in sps], axis=1)
-        lane_rows = jnp.where(rows < b, rows + offset, jnp.iinfo(jnp.int32).max)
-        lane_num = jnp.where(rows < b, num[jnp.minimum(rows, b - 1)], 0)
-        return ks, vs, sps, length, fired, lane_rows.astype(jnp.int32), lane_num, log
+        fired = jnp.zeros((b,), bool).at[picked_rows].set(True, mode="drop")
+        at = jnp.minimum(picked_rows, b - 1)
+        log = jnp.stack([sp[at, :, :budget] for sp in sps], axis=1)
+        lane_rows = jnp.where(picked_rows < b, picked_rows + offset, jnp.iinfo(jnp.int32).max)
+        lane_num = jnp.where(picked_rows < b, num[at], 0)
+        return ks, vs, sps, accs, length, fired, lane_rows.astype(jnp.int32), lane_num, log
 
     run = sharding.local(
         body,
@@ -284,15 +323,18 @@ def compress_lanes(
             (kv.KV_AXES,) * n,
             (kv.SLOT_AXES,) * n,
             (kv.QWIN_AXES,) * n,
+            acc_axes,
             kv.ROW_AXES,
             kv.ROW_AXES,
             kv.ROW_AXES,
+            (kv.ROW_AXES,) * 3,
             (),
         ),
         (
             (kv.KV_AXES,) * n,
             (kv.KV_AXES,) * n,
             (kv.SLOT_AXES,) * n,
+            acc_axes,
             kv.ROW_AXES,
             kv.ROW_AXES,
             kv.ROW_AXES,
@@ -300,59 +342,65 @@ def compress_lanes(
             ("batch", None, "kv_heads", None),
         ),
     )
-    ks, vs, sps, length, fired, lane_rows, lane_num, log = run(
-        cache.k, cache.v, cache.slot_pos, cache.q_win, full, cache.length, num, start
+    rows = (cache.pos, cache.prompt, cache.seed)
+    ks, vs, sps, accs, length, fired, lane_rows, lane_num, log = run(
+        cache.k,
+        cache.v,
+        cache.slot_pos,
+        cache.q_win,
+        cache.acc,
+        full,
+        cache.length,
+        num,
+        rows,
+        start,
     )
-    cache = dataclasses.replace(cache, k=ks, v=vs, slot_pos=sps, length=length)
+    cache = dataclasses.replace(cache, k=ks, v=vs, slot_pos=sps, acc=accs, length=length)
     return cache, fired, lane_rows, lane_num, log
 
 
-def _compress_block(ks, vs, sps, qs, length, cc: CompressionConfig, dtype, heads_axis=None):
+def _compress_block(ks, vs, sps, qs, accs, length, rows: Rows, cc, dtype, heads_axis=None):
     """Brings every row of a block back to `budget` slots.
 
     Args:
       ks, vs: L x [R, K, C, H] the rows' keys and values (storage dtype).
       sps: L x [R, K, C] their slot positions.
       qs: L x [R, N, W, H] their observation queries.
+      accs: L x [R, K, C] their per-key state, or () without one.
       length: [R] int32 occupied slots.
+      rows: the rows' positions, prompt lengths and seeds.
       cc: compression settings (static).
       dtype: the keys' dtype (static; the cache stores bfloat16 as uint16).
       heads_axis: the mesh axis of the KV heads inside `shard_map` (for kept sets shared
         over heads).
 
     Returns:
-      (ks, vs, sps) compacted, each row's kept tokens first in position order, and the new
-      length [R] (equal for every layer and KV head).
+      (ks, vs, sps, accs) compacted, each row's kept tokens first in position order, and the
+      new length [R] (equal for every layer and KV head).
     """
     c = ks[0].shape[2]
-    out_k, out_v, out_sp = [], [], []
+    has_acc = bool(accs)
+    accs = accs or (None,) * len(ks)
     # select() reads the last W slots as the observation window. A row compressed below the
     # capacity (think-only: trigger < capacity) holds its newest tokens at
     # [length - W, length): rotate it to end at slot C - 1 first (empty slots go first).
-    roll = (jnp.arange(c)[None, :] + length[:, None]) % c if c > cc.trigger else None
+    if c > cc.trigger:
+        roll = (jnp.arange(c)[None, :] + length[:, None]) % c  # [R, C]
+        rolled = [
+            _gather(k, v, sp, a, jnp.broadcast_to(roll[:, None], sp.shape))
+            for k, v, sp, a in zip(ks, vs, sps, accs, strict=True)
+        ]
+        ks, vs, sps, accs = (tuple(x) for x in zip(*rolled, strict=True))
+    out = []
     if cc.share == "none":  # layer by layer: one layer's temporaries live at a time
-        for k, v, sp, q in zip(ks, vs, sps, qs, strict=True):
-            if roll is not None:
-                k, v, sp = kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
-            keys = layers.from_storage(k, dtype)
-            idx = _select(cc, q, keys, sp, cc.budget)  # [R, K, budget]
-            gk, gv, gsp = kv.gather_slots(k, v, sp, idx)
-            out_k.append(kv.pad_slots(gk, c))
-            out_v.append(kv.pad_slots(gv, c))
-            out_sp.append(kv.pad_slots(gsp, c, -1))
+        for i, (k, v, sp, q, a) in enumerate(zip(ks, vs, sps, qs, accs, strict=True)):
+            idx = _select(cc, q, layers.from_storage(k, dtype), sp, cc.budget, rows, a, i)
+            out.append(_gather(k, v, sp, a, idx, c))
     else:
-        if roll is not None:
-            rolled = [
-                kv.gather_slots(k, v, sp, jnp.broadcast_to(roll[:, None], sp.shape))
-                for k, v, sp in zip(ks, vs, sps, strict=True)
-            ]
-            ks, vs, sps = (tuple(x) for x in zip(*rolled, strict=True))
         keys = [layers.from_storage(k, dtype) for k in ks]
-        idxs = _select_layers(cc, qs, keys, sps, cc.budget, heads_axis)
-        for k, v, sp, idx in zip(ks, vs, sps, idxs, strict=True):
-            gk, gv, gsp = kv.gather_slots(k, v, sp, idx)
-            out_k.append(kv.pad_slots(gk, c))
-            out_v.append(kv.pad_slots(gv, c))
-            out_sp.append(kv.pad_slots(gsp, c, -1))
+        idxs = _select_layers(cc, qs, keys, sps, cc.budget, rows, accs, heads_axis)
+        for k, v, sp, a, idx in zip(ks, vs, sps, accs, idxs, strict=True):
+            out.append(_gather(k, v, sp, a, idx, c))
+    out_k, out_v, out_sp, out_acc = (tuple(x) for x in zip(*out, strict=True))
     kept = jnp.sum(out_sp[0][:, 0] >= 0, axis=-1).astype(jnp.int32)  # [R]
-    return tuple(out_k), tuple(out_v), tuple(out_sp), kept
+    return out_k, out_v, out_sp, out_acc if has_acc else (), kept

@@ -240,22 +240,30 @@ def _constrain_state(s: SlotState, rules: sharding.ShardingRules | None) -> Slot
     return jax.tree.map(lambda x, a: sharding.constrain(x, rules, *a), s, _state_axes(s))
 
 
-def _causal_attend(positions: jax.Array):
-    """attend() for a full forward over a (left-padded) prompt; collects each layer's q/K/V."""
+def _causal_attend(positions: jax.Array, weights: bool = False):
+    """attend() for a full forward over a (left-padded) prompt; collects each layer's q/K/V
+    and, with `weights`, the attention each key received [B, K, T] (`layers.attention`)."""
     mask = layers.causal_mask(positions, positions)  # [B, T, T]
 
     def attend(i, q, k, v, qkvs):
-        return layers.attention(q, k, v, mask, kv_axis=1), (*qkvs, (q, k, v))
+        if not weights:
+            return layers.attention(q, k, v, mask, kv_axis=1), (*qkvs, (q, k, v))
+        out, w = layers.attention(q, k, v, mask, kv_axis=1, weights=True)
+        return out, (*qkvs, (q, k, v, w))
 
     return attend
 
 
 def _cache_attend(i, q, k, v, cache: kv.KVCache, rules=None, go=None):
-    """attend() for decode: append this token to the cache (rows in `go`), then attend."""
+    """attend() for decode: append this token to the cache (rows in `go`), then attend (and
+    add the weights to the keys' state, for a policy that keeps one)."""
     with jax.named_scope("cache_append"):
         cache = kv.write(cache, i, q, k, v, rules, go)
-    out = layers.attention(q, cache.keys(i), cache.values(i), cache.attend_mask(i), kv_axis=2)
-    return out, cache
+    args = (q, cache.keys(i), cache.values(i), cache.attend_mask(i))
+    if not cache.acc:
+        return layers.attention(*args, kv_axis=2), cache
+    out, w = layers.attention(*args, kv_axis=2, weights=True)
+    return out, kv.add_attention(cache, i, w, go)
 
 
 @jax.jit
@@ -276,7 +284,9 @@ def init_state(model, *, slots, capacity, stop_width, given_len, plan: Plan) -> 
     model = _model(model)
     cfg, cc = model.cfg, plan.compression
     dtype = model.embed[...].dtype
-    cache = kv.empty(cfg, slots, capacity, dtype, cc.window if cc.compressing else 0)
+    cache = kv.empty(
+        cfg, slots, capacity, dtype, cc.window if cc.compressing else 0, cc.state is not None
+    )
     v = cfg.vocab_size if plan.sampler.penalties else 0
     zeros = functools.partial(jnp.zeros, (slots,), jnp.int32)
     state = SlotState(
@@ -301,13 +311,22 @@ def init_state(model, *, slots, capacity, stop_width, given_len, plan: Plan) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "plan"))
-def prefill(model, tokens: jax.Array, positions: jax.Array, *, capacity: int, plan: Plan):
+def prefill(
+    model,
+    tokens: jax.Array,
+    positions: jax.Array,
+    seeds: jax.Array | None = None,
+    *,
+    capacity: int,
+    plan: Plan,
+):
     """Runs a group of prompts and builds their cache rows (compressing prompts longer than the
     budget), ready for `insert`.
 
     Args:
       model: the decoder (pytree).
       tokens, positions: [k, P] int32, left-padded; positions are -1 at pads.
+      seeds: [k] uint32 each prompt's request seed (policies that draw at random; None: 0).
       capacity: C, the slots' cache capacity (static).
       plan: static Plan.
 
@@ -317,10 +336,15 @@ def prefill(model, tokens: jax.Array, positions: jax.Array, *, capacity: int, pl
     TRACES["prefill"] += 1
     model = _model(model)
     cc = plan.compression
-    x, qkvs = model.hidden(tokens, positions, _causal_attend(positions), ())
+    stateful = cc.state is not None
+    x, qkvs = model.hidden(tokens, positions, _causal_attend(positions, stateful), ())
     logits = model.head(x[:, -1:])[:, 0]  # [k, V]; left padding puts every row's last token here
-    qs, ks, vs = (tuple(t) for t in zip(*qkvs, strict=True))
-    cache, squeezed = policy.prefill_cache(ks, vs, qs, positions, cc, capacity, plan.rules)
+    qs, ks, vs, *ws = (tuple(t) for t in zip(*qkvs, strict=True))
+    if seeds is None:
+        seeds = jnp.zeros(tokens.shape[:1], jnp.uint32)
+    cache, squeezed = policy.prefill_cache(
+        ks, vs, qs, positions, cc, capacity, plan.rules, seeds=seeds, weights=ws[0] if ws else ()
+    )
     k = tokens.shape[0]
     if plan.record_kept and cc.compressing:
         kept = jnp.stack([sp[:, :, : cc.budget] for sp in cache.slot_pos], axis=1)

@@ -597,8 +597,11 @@ def test_bfloat16_compaction_moves_entries_exactly():
         v=(as_storage(vals),),
         slot_pos=(jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, k, c)),),
         q_win=(jnp.asarray(rs.normal(size=(b, 4, W, h)), jnp.bfloat16),),
+        acc=(),
         length=jnp.full((b,), c, jnp.int32),
         pos=jnp.full((b,), c, jnp.int32),
+        prompt=jnp.zeros((b,), jnp.int32),
+        seed=jnp.zeros((b,), jnp.uint32),
         dtype=jnp.bfloat16,
     )
     cc = CompressionConfig(method="rkv", budget=BUDGET, buffer=BUFFER, window=W)

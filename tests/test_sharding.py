@@ -149,8 +149,11 @@ def _random_cache(rs, *, layers=1, b=4, k=2, n=4, c=24, h=16, w=8):
         v=tuple(as_storage(normal(b, k, c, h)) for _ in range(layers)),
         slot_pos=tuple(sp + 0 for _ in range(layers)),
         q_win=tuple(normal(b, n, w, h) for _ in range(layers)),
+        acc=(),
         length=jnp.full((b,), c, jnp.int32),
         pos=jnp.full((b,), c, jnp.int32),
+        prompt=jnp.zeros((b,), jnp.int32),
+        seed=jnp.zeros((b,), jnp.uint32),
         dtype=jnp.float32,
     )
 

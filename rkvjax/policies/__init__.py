@@ -7,6 +7,8 @@ from rkvjax.policies import base, keydiff, rkv, snapkv, streaming
 from rkvjax.policies.base import (
     ENTRY_POINT_GROUP,
     PLUGINS_ENV,
+    STATES,
+    Context,
     Policy,
     build,
     get,
@@ -30,6 +32,8 @@ __all__ = [
     "PLUGINS_ENV",
     "RKV",
     "RKV_OPTIONS",
+    "STATES",
+    "Context",
     "KeyDiff",
     "Policy",
     "SnapKV",

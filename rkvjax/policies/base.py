@@ -23,9 +23,42 @@ import re
 import typing
 from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
+
 PLUGINS_ENV = "RKVJAX_POLICIES"
 ENTRY_POINT_GROUP = "rkvjax.policies"
 _NAME = re.compile(r"[a-z][a-z0-9_\-]*\Z")
+
+
+# The per-key states the engine can carry for a method (`Policy.state`), and how it updates them.
+# "attention": the attention each cached key has received, summed over every query that saw it
+# (the prompt's and each decode step's) and over its KV head's query group; a compression moves
+# a key's sum with it, a new key starts at its own query's weight.
+STATES = ("attention",)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a compression knows about the rows besides their queries and keys, for methods
+    that read it (`Policy.context`). Shapes as in `Policy.scores`."""
+
+    positions: jax.Array  # [B, K, n] int32 each key's logical position (-1: not there)
+    pos: jax.Array  # [B] int32 each row's next position: when the compression happens
+    prompt: jax.Array  # [B] int32 each row's prompt length (its positions [0, prompt))
+    seed: jax.Array  # [B] uint32 the request's seed
+    state: jax.Array | None  # [B, K, n] float32 the method's per-key state (`Policy.state`)
+    layer: int = dataclasses.field(default=0, metadata={"static": True})
+
+    @classmethod
+    def plain(cls, keys: jax.Array, state: jax.Array | None = None) -> Context:
+        """The context of keys [B, K, n] read alone (`keep_indices`): positions 0..n-1 in slot
+        order, a prompt of none, seed 0, layer 0."""
+        b, k, n = keys.shape[:3]
+        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, k, n))
+        zeros = jnp.zeros((b,), jnp.int32)
+        return cls(positions, zeros + n, zeros, zeros.astype(jnp.uint32), state)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +74,12 @@ class Policy:
     """
 
     name: ClassVar[str]
+    # True: `scores` also takes `context=` (a `Context`: positions, the row's prompt length and
+    # seed, the layer, the per-key state). A method that reads only queries and keys leaves it.
+    context: ClassVar[bool] = False
+    # The per-key state the engine carries in the cache for this method (one of `STATES`), or
+    # None: the cache holds none, and costs nothing, for methods without one.
+    state: ClassVar[str | None] = None
 
     def __post_init__(self):
         self.check()
@@ -59,6 +98,7 @@ class Policy:
           impl: Pallas kernels (True), jnp (False) or auto (None), for methods that have a
             kernel (see `rkvjax.scores.use_pallas`).
           target: the `rkvjax.kernels.tuning.Target` the program is compiled for.
+          context: only for a class with `context = True`: a `Context`.
 
         Scores at invalid candidates are ignored.
         """
@@ -87,6 +127,8 @@ def register(cls: type[Policy]) -> type[Policy]:
             "program's static configuration"
         )
     name = cls.__dict__.get("name")
+    if getattr(cls, "state", None) not in (None, *STATES):
+        raise ValueError(f"{cls.__name__}.state must be None or one of {STATES}")
     if not isinstance(name, str) or not _NAME.match(name) or name == "full":
         raise ValueError(
             f"{cls.__name__}.name must be a lower-case name (letters, digits, '_', '-') other "

@@ -180,11 +180,13 @@ class Executor:
             tokens, positions = requests.pad_left(
                 step.prefill.prompts, step.prefill.rows, model.config.max_positions
             )
-            host.update(tokens=tokens, positions=positions)
+            seeds = np.zeros(len(tokens), np.uint32)
+            seeds[: len(step.prefill.seeds)] = step.prefill.seeds
+            host.update(tokens=tokens, positions=positions, seeds=seeds)
         where = None
         if model.mesh is not None:  # the prompts' rows split like the batch, the rest whole
             where = jax.tree.map(lambda x: _whole(model, x), host)
-            for key in ("tokens", "positions"):
+            for key in ("tokens", "positions", "seeds"):
                 if key in host:
                     where[key] = _row_sharding(model, host[key])
         dev = self.put(host, where, "insert")
@@ -193,6 +195,7 @@ class Executor:
                 self.decoder,
                 dev["tokens"],
                 dev["positions"],
+                dev["seeds"],
                 capacity=self.capacity,
                 plan=self.plan,
             )

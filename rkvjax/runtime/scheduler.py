@@ -53,6 +53,7 @@ class Prefill:
     group: int
     prompts: tuple[tuple[int, ...], ...]
     rows: int
+    seeds: tuple[int, ...] = ()  # each prompt's request seed (policies that draw at random)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +213,9 @@ class Scheduler:
 
     def _prefill(self, reqs: list[requests.Request]) -> Prefill:
         rows = requests.row_bucket(len(reqs), self.cfg.max_prefill_rows, self.cfg.data_shards)
-        return Prefill(next(self._groups), tuple(r.prompt_token_ids for r in reqs), rows)
+        prompts = tuple(r.prompt_token_ids for r in reqs)
+        seeds = tuple(r.sampling.seed or 0 for r in reqs)
+        return Prefill(next(self._groups), prompts, rows, seeds)
 
     def _insert(
         self,
