@@ -2,10 +2,11 @@
 `rkvjax eval` over a grid of methods and budgets, plus FullKV, on one problem file.
 
 Each setting is one evaluation folder (samples.jsonl and summary.json, resumable) under
-<out>/accuracy/runs/; the table puts pass@1, pass@k, generated length, compressions and the
-outputs' 4-gram repetition side by side, with the paper's R1-Llama-8B MATH-500 pass@1 where it
-has the budget. The default model is far too small to solve MATH problems; the table is the
-harness, the numbers that matter come from a reasoning model on an accelerator.
+<out>/accuracy/runs/; the table puts pass@1, pass@k, generated length, compressions, the
+outputs' 4-gram repetition and the share of looping samples side by side, with the paper's
+R1-Llama-8B MATH-500 pass@1 where it has the budget. The default model is far too small to
+solve MATH problems; the table is the harness, the numbers that matter come from a reasoning
+model on an accelerator.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=None)
 
 
-def _settings(args) -> dict:
+def _settings(args, model, name, folder) -> dict:
     out = {"full": {"method": "full"}} if "full" in args.methods else {}
     for m in (m for m in args.methods if m != "full"):
+        own = common.method_options(m, args, model, name, folder)
         for b in args.budgets:
-            out[f"{m}-{b}"] = {"method": m, "budget": b, "buffer": args.buffer}
+            out[f"{m}-{b}"] = {"method": m, "budget": b, "buffer": args.buffer, **own}
     return out
 
 
@@ -71,7 +73,7 @@ def run(args, folder) -> list[dict]:
     else:
         model, name = common.load_model(args, args.dtype)
     rows = []
-    for label, cache in _settings(args).items():
+    for label, cache in _settings(args, model, name, folder).items():
         s = evaluation.run_eval(
             model,
             args.data,
@@ -93,6 +95,7 @@ def run(args, folder) -> list[dict]:
             "mean_generated_tokens",
             "mean_compressions",
             "repetition",
+            "looping",
             "method",
             "budget",
         )
@@ -119,6 +122,7 @@ def table(rows: list[dict]) -> str:
         ("tokens / sample", "mean_generated_tokens", ".0f"),
         ("compressions / sample", "mean_compressions", ".1f"),
         ("4-gram repetition", "repetition", ".3f"),
+        ("looping %", lambda r: None if r.get("looping") is None else 100 * r["looping"], ".1f"),
         ("tok/s", "tokens_per_s", ".1f"),
         ("paper MATH-500 pass@1 %", "paper_math500_pass@1", ".1f"),
     ]

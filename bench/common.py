@@ -268,7 +268,7 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 
 def add_methods_argument(p: argparse.ArgumentParser, default: Sequence[str], full=False) -> None:
     """--methods: any registered cache policy (and "full" where `full`), plug-ins included
-    ($RKVJAX_POLICIES)."""
+    ($RKVJAX_POLICIES); --calibration for the methods that read statistics of the model."""
     choices = config.method_names() if full else policies.names()
     p.add_argument(
         "--methods",
@@ -277,6 +277,38 @@ def add_methods_argument(p: argparse.ArgumentParser, default: Sequence[str], ful
         default=list(default),
         help="cache policies (default: %(default)s)",
     )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="`rkvjax calibrate`'s statistics for triattention (default: calibrated here once, "
+        f"on the last {CALIBRATION_PROMPTS} MATH-500 problems, and kept in the suite's folder)",
+    )
+
+
+CALIBRATION_PROMPTS = 32  # problems a bench calibrates TriAttention on (the file's last ones)
+
+
+def method_options(method: str, args, model, name: str, folder: Path) -> dict:
+    """The options a suite gives `method` beyond its defaults: the statistics of the model for a
+    method that reads them (`--calibration`, or calibrated once on the last MATH-500 problems,
+    which no suite scores, and kept as `folder/calibration-<model>.npz`)."""
+    if method == "full" or "calibration" not in policies.option_names(method):
+        return {}
+    if args.calibration is not None:
+        return {"calibration": str(args.calibration)}
+    from rkvjax import calibration
+
+    path = Path(folder) / f"calibration-{name}.npz"
+    if not path.is_file():
+        if has_chat(model):
+            problems = math500_problems(args.data if hasattr(args, "data") else DATA)
+            ids = [chat_ids(model, p) for p in problems[-CALIBRATION_PROMPTS:]]
+        else:
+            ids = random_prompts(model, 4)
+        stats = calibration.calibrate(model, ids, source=f"bench: {len(ids)} prompts")
+        calibration.save(stats, path, overwrite=True)
+    return {"calibration": str(path)}
 
 
 # -- driving a prefilled engine -----------------------------------------------------------

@@ -149,7 +149,7 @@ def run(args, folder) -> list[dict]:
         "prompt_tokens": lens,
         "new_tokens": args.new_tokens,
     }
-    comp = {"buffer": args.buffer, "window": args.window, "lam": args.lam, "share": args.share}
+    comp = {"buffer": args.buffer, "window": args.window, "share": args.share}
 
     ref, wall = run_score(model, seqs, lens, method="full")
     # The FullKV rescoring should predict its own greedy trace; less than 1 means argmax ties
@@ -170,7 +170,10 @@ def run(args, folder) -> list[dict]:
     rows = [full_row]
     for budget in sorted(args.budgets):
         for method in args.methods:
-            res, wall = run_score(model, seqs, lens, method=method, budget=budget, **comp)
+            own = common.method_options(method, args, model, name, folder)
+            if method == "rkv":  # --lam is R-KV's (G-KV has a lam of its own)
+                own["lam"] = args.lam
+            res, wall = run_score(model, seqs, lens, method=method, budget=budget, **comp, **own)
             row = {
                 "bench": "fidelity",
                 "method": method,

@@ -53,7 +53,15 @@ def run(args, folder) -> list[dict]:
             methods = dict.fromkeys([*args.methods, BASELINE])
             settings = {
                 m: common.prefilled(
-                    model, ids, [greedy] * b, compression_config(m, args.budget, buffer=args.buffer)
+                    model,
+                    ids,
+                    [greedy] * b,
+                    compression_config(
+                        m,
+                        args.budget,
+                        buffer=args.buffer,
+                        **common.method_options(m, args, model, name, folder),
+                    ),
                 )
                 for m in methods
             }

@@ -1,5 +1,6 @@
 """Command line: `rkvjax generate "prompt" ...`, `rkvjax batch IN.jsonl OUT.jsonl ...`,
-`rkvjax eval DATA OUT_DIR ...`, `rkvjax merge OUT SHARDS...` and `rkvjax convert SRC DST`."""
+`rkvjax eval DATA OUT_DIR ...`, `rkvjax merge OUT SHARDS...`, `rkvjax convert SRC DST` and
+`rkvjax calibrate DATA.jsonl OUT`."""
 
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ def _add_generation_args(
         default=None,
         metavar="KEY=VALUE",
         help="a hyperparameter of the method (repeatable), e.g. lam=0.2 for rkv",
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="PATH",
+        help="statistics of the model's queries for a method that reads them (triattention), "
+        "written by `rkvjax calibrate`",
     )
     p.add_argument(
         "--budget",
@@ -217,7 +225,39 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("output", help="folder to write (`rkvjax.load` and --model accept it)")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     c.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    for p in (g, b, e, c):
+    k = sub.add_parser(
+        "calibrate",
+        help="statistics of a model's queries over a prompt file, for --method triattention",
+    )
+    k.add_argument(
+        "data",
+        help="JSONL of problems as `rkvjax eval` reads them (`problem` or `question`, `answer`), "
+        "or of prompts as `rkvjax batch` reads them (`prompt`, `messages` or `prompt_token_ids`)",
+    )
+    k.add_argument("output", help="the .npz file to write (pass it as --calibration)")
+    k.add_argument(
+        "--model",
+        default=api.DEFAULT_MODEL,
+        help="Hugging Face folder or .gguf file (default: %(default)s, prepared on first use)",
+    )
+    k.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    k.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    k.add_argument(
+        "--instruction",
+        default=evaluation.R1_INSTRUCTION,
+        help="appended to each problem of a problem file (default: %(default)r)",
+    )
+    k.add_argument(
+        "--no-chat", action="store_true", help="send the raw text, without the chat template"
+    )
+    k.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    k.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+    for p in (g, b, e, c, k):
         _add_mesh_args(p)
     return parser
 
@@ -264,6 +304,18 @@ def _cache(args: argparse.Namespace) -> dict:
         options = policies.parse_options(args.method, args.method_args) if args.method_args else {}
     except ValueError as e:
         raise ValueError(f"cache flags: --method-arg: {e}") from None
+    calibration = getattr(args, "calibration", None)
+    if calibration is not None:
+        if args.method == "full" or "calibration" not in policies.option_names(args.method):
+            raise ValueError(
+                f"cache flags: --calibration: method {args.method!r} reads no calibration "
+                "statistics; drop --calibration"
+            )
+        if "calibration" in options:
+            raise ValueError(
+                "cache flags: --calibration and --method-arg calibration=... both given; give one"
+            )
+        options["calibration"] = calibration
     return {
         "method": args.method,
         "budget": args.budget,
@@ -487,9 +539,41 @@ def _eval_line(summary: dict, out_dir) -> str:
         )
         + (f" | {tokens:.0f} tokens per sample" if tokens is not None else "")
         + (f", repetition {summary['repetition']:.3f}" if summary["repetition"] is not None else "")
+        + (f", looping {pct(summary['looping'])}" if summary.get("looping") is not None else "")
         + f" | {summary['samples_written']} samples written, {summary['samples_already_done']} "
         f"already done -> {Path(out_dir) / evaluation.SUMMARY_FILE}"
     )
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from rkvjax import calibration
+
+    out = Path(args.output)
+    if out.is_dir():
+        raise ValueError(f"{out}: is a directory; give the file to write")
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"{out}: exists; pass --overwrite to replace it")
+    chat = False if args.no_chat else None
+    # Bad lines fail now, not after the model loads.
+    prompts = calibration.read_prompts(
+        args.data, limit=args.limit, instruction=args.instruction, chat=chat
+    )
+    t0 = time.perf_counter()
+    model = _load(args)
+    ids = calibration.encode_prompts(model, prompts)
+    primary = jax.process_index() == 0
+    stats = calibration.calibrate(
+        model, ids, progress=_progress(args) and primary, source=str(Path(args.data).resolve())
+    )
+    if primary:
+        calibration.save(stats, out, overwrite=args.overwrite)
+        print(
+            f"[rkvjax] wrote {out}: query statistics of {model.path.name} ({model.config.arch}, "
+            f"{model.dtype.__name__}) over {stats.meta['prompts']} prompts, "
+            f"{stats.meta['tokens']} tokens, in {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -528,7 +612,13 @@ def main(argv: list[str] | None = None) -> int:
             return _merge(args)
         sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
         _enable_compile_cache()
-        commands = {"batch": _batch, "convert": _convert, "eval": _eval, "generate": _generate}
+        commands = {
+            "batch": _batch,
+            "calibrate": _calibrate,
+            "convert": _convert,
+            "eval": _eval,
+            "generate": _generate,
+        }
         run = commands[args.command]
         return run(args)
     except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:

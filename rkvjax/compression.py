@@ -27,6 +27,7 @@ __all__ = [
     "redundancy",
     "redundancy_scores",
     "rkv_scores",
+    "scores_and_state",
     "select",
     "topk_positions",
     "use_pallas",
@@ -98,6 +99,24 @@ def candidate_scores(
     [B, K, n - W], -inf at keys that are not there (arguments as in `select`). Scores of
     several layers or heads may be combined (summed, averaged) before `keep`, for kept sets
     shared across them."""
+    return scores_and_state(
+        method,
+        queries,
+        keys,
+        valid,
+        window=window,
+        impl=impl,
+        target=target,
+        context=context,
+        **options,
+    )[0]
+
+
+def scores_and_state(
+    method, queries, keys, valid, *, window=WINDOW, impl=None, target=None, context=None, **options
+):
+    """`candidate_scores` and, for a method that rewrites its per-key state at each compression
+    (`Policy.state == "score"`), that new state [B, K, n] float32 (None for any other)."""
     policy = policies.resolve(method, **options)
     checks.check_inputs(queries, keys, valid, window=window)
     n = keys.shape[2]
@@ -109,11 +128,12 @@ def candidate_scores(
         kw["context"] = policies.Context.plain(keys) if context is None else context
         if policy.state is not None and kw["context"].state is None:
             raise ValueError(
-                f"method {policy.name!r} scores keys by the {policy.state} they received while "
-                "decoding, which only the engine tracks: run it through rkvjax.generate or "
-                "rkvjax.Engine, not on keys alone"
+                f"method {policy.name!r} scores keys by {policies.STATES[policy.state]} they "
+                "received while decoding, which only the engine tracks: run it through "
+                "rkvjax.generate or rkvjax.Engine, not on keys alone"
             )
-    score = policy.scores(queries, keys, valid, **kw)  # [B, K, n-W]
+    out = policy.scores(queries, keys, valid, **kw)  # [B, K, n-W] (, [B, K, n])
+    score, state = out if policy.state == "score" else (out, None)
     if score.shape != cand.shape:
         raise ValueError(
             f"method {policy.name!r} scored shape {score.shape}, expected [B, K, n - W] = "
@@ -123,7 +143,7 @@ def candidate_scores(
     # Defensive: top_k orders floats totally (-0.0 < +0.0), which would break "lower position
     # first" between equal scores; `where` survives jit, where `+ 0.0` is folded away.
     score = jnp.where(score == 0, 0.0, score)  # [B, K, n-W]
-    return jnp.where(cand, score, -jnp.inf)
+    return jnp.where(cand, score, -jnp.inf), state
 
 
 def keep(score, budget, window, *, impl=None, target=None):

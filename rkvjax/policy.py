@@ -29,31 +29,43 @@ class Rows(NamedTuple):
     seed: jax.Array  # [B] uint32 request seed
 
 
-def _context(rows: Rows, slot_pos, acc, layer: int) -> policies.Context:
-    return policies.Context(slot_pos, *rows, state=acc, layer=layer)
+def _context(rows: Rows, slot_pos, acc, layer: int, heads_axis=None) -> policies.Context:
+    """A policy's view of one layer of a block of rows; `heads_axis`: the mesh axis the KV
+    heads are split over inside `shard_map` (None: every head is here)."""
+    local = slot_pos.shape[1]
+    if heads_axis is None:
+        head0, total = 0, local
+    else:
+        head0 = jax.lax.axis_index(heads_axis) * local
+        total = local * jax.lax.axis_size(heads_axis)
+    return policies.Context(slot_pos, *rows, state=acc, head0=head0, layer=layer, kv_heads=total)
 
 
-def _select(cc: CompressionConfig, q_win, k, slot_pos, budget: int, rows, acc, layer) -> jax.Array:
-    """Kept slots [B, K, budget] of one layer, real tokens first in position order."""
-    idx = compression.select(
+def _select(
+    cc: CompressionConfig, q_win, k, slot_pos, budget: int, rows, acc, layer, heads_axis=None
+):
+    """Kept slots [B, K, budget] of one layer, real tokens first in position order, and the
+    per-key state to move with them ([B, K, n]: the method's new one, or `acc` as it was)."""
+    score, state = compression.scores_and_state(
         cc.policy,
         q_win,
         k,
         slot_pos >= 0,
-        budget=budget,
         window=cc.window,
         impl=cc.pallas,
         target=cc.target,
-        context=_context(rows, slot_pos, acc, layer),
+        context=_context(rows, slot_pos, acc, layer, heads_axis),
     )
-    return kv.valid_first(idx, slot_pos)
+    idx = compression.keep(score, budget, cc.window, impl=cc.pallas, target=cc.target)
+    return kv.valid_first(idx, slot_pos), acc if state is None else state
 
 
 def _select_layers(
     cc: CompressionConfig, qs, ks, sps, budget: int, rows: Rows, accs, heads_axis=None
-) -> list:
-    """Kept slots [B, K, budget] of every layer (real tokens first in position order): one set
-    per (layer, KV head), or shared as `cc.share` says.
+) -> tuple[list, list]:
+    """Kept slots [B, K, budget] of every layer (real tokens first in position order), one set
+    per (layer, KV head) or shared as `cc.share` says, and each layer's per-key state to move
+    with them.
 
     Shared sets score every layer and head first: "layers" sums the scores over the layers
     (one set per KV head, the same in every layer), "heads" averages them over the KV heads
@@ -70,17 +82,20 @@ def _select_layers(
     """
     layers_ = range(len(sps))
     if cc.share == "none":
-        return [
-            _select(cc, q, k, sp, budget, rows, a, i)
+        picked = [
+            _select(cc, q, k, sp, budget, rows, a, i, heads_axis)
             for i, q, k, sp, a in zip(layers_, qs, ks, sps, accs, strict=True)
         ]
+        return [x for x, _ in picked], [a for _, a in picked]
     kw = dict(window=cc.window, impl=cc.pallas, target=cc.target)
-    scores = [
-        compression.candidate_scores(
-            cc.policy, q, k, sp >= 0, context=_context(rows, sp, a, i), **kw
+    scored = [
+        compression.scores_and_state(
+            cc.policy, q, k, sp >= 0, context=_context(rows, sp, a, i, heads_axis), **kw
         )
         for i, q, k, sp, a in zip(layers_, qs, ks, sps, accs, strict=True)
-    ]  # L x [B, K, n - W]
+    ]  # L x ([B, K, n - W], [B, K, n] | None)
+    scores = [x for x, _ in scored]
+    states = [a if new is None else new for a, (_, new) in zip(accs, scored, strict=True)]
     if cc.share in ("layers", "all"):
         scores = [functools.reduce(jnp.add, scores)]
     if cc.share in ("heads", "all"):
@@ -88,7 +103,7 @@ def _select_layers(
     idx = [compression.keep(x, budget, **kw) for x in scores]
     if len(idx) == 1:
         idx = idx * len(sps)
-    return [kv.valid_first(i, sp) for i, sp in zip(idx, sps, strict=True)]
+    return [kv.valid_first(i, sp) for i, sp in zip(idx, sps, strict=True)], states
 
 
 def _gather(k, v, sp, acc, idx, capacity: int | None = None):
@@ -148,8 +163,8 @@ def prefill_cache(
       capacity: C, static slots of the cache.
       rules: sharding rules when running on a mesh (None: one device).
       seeds: [B] uint32 the requests' seeds (None: 0), for policies that draw at random.
-      weights: L x [B, K, P] the attention each prompt key received, for a policy that keeps
-        it per key (`Policy.state`); () otherwise.
+      weights: L x [B, K, P] the attention each prompt key received, for a policy that sums
+        it per key (`Policy.state == "attention"`); () otherwise.
 
     Returns:
       (cache, compressed [B] bool: rows whose prompt was compressed).
@@ -166,16 +181,18 @@ def prefill_cache(
     v_in = tuple(jnp.swapaxes(v, 1, 2) for v in vs)
     squeeze = cc.compressing and p > cc.budget
     accs = tuple(weights)  # L x [B, K, P] or ()
+    if cc.state is not None and not accs:  # a state the compressions write: none yet
+        accs = tuple(jnp.zeros((b, kh, p), jnp.float32) for _ in range(n))
     acc_axes = (kv.SLOT_AXES,) * len(accs)
 
     def squeeze_all(q_win, ks_, vs_, sp, accs, rows):
         per_layer = accs or (None,) * n
-        idx = _select_layers(
+        idx, states = _select_layers(
             cc, q_win, ks_, [sp] * n, cc.budget, rows, per_layer, rules and rules.kv_heads
         )
         out = [
             _gather(layers.as_storage(k), layers.as_storage(v), sp, a, i)
-            for k, v, a, i in zip(ks_, vs_, per_layer, idx, strict=True)
+            for k, v, a, i in zip(ks_, vs_, states, idx, strict=True)
         ]
         gk, gv, gsp, ga = (tuple(x) for x in zip(*out, strict=True))
         return gk, gv, gsp, ga if accs else ()
@@ -394,12 +411,13 @@ def _compress_block(ks, vs, sps, qs, accs, length, rows: Rows, cc, dtype, heads_
     out = []
     if cc.share == "none":  # layer by layer: one layer's temporaries live at a time
         for i, (k, v, sp, q, a) in enumerate(zip(ks, vs, sps, qs, accs, strict=True)):
-            idx = _select(cc, q, layers.from_storage(k, dtype), sp, cc.budget, rows, a, i)
+            keys = layers.from_storage(k, dtype)
+            idx, a = _select(cc, q, keys, sp, cc.budget, rows, a, i, heads_axis)
             out.append(_gather(k, v, sp, a, idx, c))
     else:
         keys = [layers.from_storage(k, dtype) for k in ks]
-        idxs = _select_layers(cc, qs, keys, sps, cc.budget, rows, accs, heads_axis)
-        for k, v, sp, a, idx in zip(ks, vs, sps, accs, idxs, strict=True):
+        idxs, states = _select_layers(cc, qs, keys, sps, cc.budget, rows, accs, heads_axis)
+        for k, v, sp, a, idx in zip(ks, vs, sps, states, idxs, strict=True):
             out.append(_gather(k, v, sp, a, idx, c))
     out_k, out_v, out_sp, out_acc = (tuple(x) for x in zip(*out, strict=True))
     kept = jnp.sum(out_sp[0][:, 0] >= 0, axis=-1).astype(jnp.int32)  # [R]

@@ -254,13 +254,13 @@ def _causal_attend(positions: jax.Array, weights: bool = False):
     return attend
 
 
-def _cache_attend(i, q, k, v, cache: kv.KVCache, rules=None, go=None):
-    """attend() for decode: append this token to the cache (rows in `go`), then attend (and
-    add the weights to the keys' state, for a policy that keeps one)."""
+def _cache_attend(i, q, k, v, cache: kv.KVCache, rules=None, go=None, received=False):
+    """attend() for decode: append this token to the cache (rows in `go`), then attend (and,
+    with `received`, add the weights to the keys' sums: `Policy.state == "attention"`)."""
     with jax.named_scope("cache_append"):
         cache = kv.write(cache, i, q, k, v, rules, go)
     args = (q, cache.keys(i), cache.values(i), cache.attend_mask(i))
-    if not cache.acc:
+    if not received:
         return layers.attention(*args, kv_axis=2), cache
     out, w = layers.attention(*args, kv_axis=2, weights=True)
     return out, kv.add_attention(cache, i, w, go)
@@ -336,8 +336,8 @@ def prefill(
     TRACES["prefill"] += 1
     model = _model(model)
     cc = plan.compression
-    stateful = cc.state is not None
-    x, qkvs = model.hidden(tokens, positions, _causal_attend(positions, stateful), ())
+    received = cc.state == "attention"
+    x, qkvs = model.hidden(tokens, positions, _causal_attend(positions, received), ())
     logits = model.head(x[:, -1:])[:, 0]  # [k, V]; left padding puts every row's last token here
     qs, ks, vs, *ws = (tuple(t) for t in zip(*qkvs, strict=True))
     if seeds is None:
@@ -651,7 +651,8 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
             else o.kept,
         )
     go = s.active & ~waiting  # [B] rows that take a decode step
-    attend = functools.partial(_cache_attend, rules=plan.rules, go=go)
+    received = cc.state == "attention"
+    attend = functools.partial(_cache_attend, rules=plan.rules, go=go, received=received)
     x, cache = model.hidden(s.last[:, None], cache.pos[:, None], attend, cache)
     # Pinned every step, so the loop carry keeps the prefill's [B->data, K->model] layout.
     cache = kv.constrain(kv.advance(cache, go), plan.rules)

@@ -140,3 +140,28 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# The prompt lengths the tiny checkpoints' TriAttention statistics are calibrated on.
+CALIBRATION_LENGTHS = (13, 40, 27)
+
+
+@pytest.fixture(scope="module")
+def stats_of(tiny_checkpoint, tmp_path_factory):
+    """kind -> the path of its tiny checkpoint's TriAttention statistics (`rkvjax calibrate`'s
+    file), calibrated once per test file."""
+    made = {}
+
+    def make(kind: str) -> str:
+        if kind not in made:
+            from rkvjax import calibration
+            from tests.test_policy import _load, _prompt
+
+            model = _load(tiny_checkpoint(kind)[0])
+            prompts = [_prompt(n, seed=900 + n) for n in CALIBRATION_LENGTHS]
+            path = tmp_path_factory.mktemp("calibration") / f"{kind}.npz"
+            calibration.save(calibration.calibrate(model, prompts, source="test"), path)
+            made[kind] = str(path)
+        return made[kind]
+
+    return make

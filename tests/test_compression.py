@@ -298,7 +298,7 @@ def test_bf16_inputs_scored_in_f32():
     "kwargs,match",
     [
         ({"method": "full"}, "'full' never compresses"),
-        ({"method": "h2o"}, r"unknown method 'h2o'.*'rkv', 'snapkv', 'streaming'"),
+        ({"method": "lru"}, r"unknown method 'lru'.*'rkv', 'snapkv', 'streaming'"),
         ({"budget": 8}, "budget=8 must be larger than window=8"),
         ({"budget": 33}, "budget=33 is larger than the n=32 keys"),
         ({"budget": 12.0}, "budget must be an int"),

@@ -151,6 +151,20 @@ def test_repetition_and_k_values():
     assert metrics.repetition_rate(loop) == pytest.approx(1 - 4 / 37)
     assert metrics.k_values(1) == [1]
     assert metrics.k_values(6) == [1, 2, 4, 6]
+
+
+def test_a_sample_loops_when_cut_off_inside_a_cycle():
+    """Cut at the limit in a cycle: looping; the same cycle ending by itself, or text that
+    only repeated itself earlier and then moved on: not."""
+    prose = list(range(1000, 1400))  # no 4-gram twice
+    cycle = [7, 8, 9, 10, 11] * 60
+    assert metrics.is_looping(prose + cycle, "length")
+    assert not metrics.is_looping(prose + cycle, "stop")
+    assert not metrics.is_looping(cycle + prose, "length")
+    assert not metrics.is_looping(prose, "length")
+    half = prose[:128] + [7, 8, 9, 10] * 32  # the last 256 tokens: 128 fresh, a 4-cycle
+    assert metrics.repetition_rate(half) == pytest.approx(1 - (125 + 4 + 3) / 253)
+    assert metrics.is_looping(half, "length") == (metrics.repetition_rate(half) >= 0.5)
     assert metrics.k_values(8) == [1, 2, 4, 8]
 
 

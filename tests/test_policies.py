@@ -28,7 +28,7 @@ from rkvjax import cli, policies, policy, programs, sharding
 from rkvjax import compression as C
 from rkvjax.config import CompressionConfig, compression_config
 from tests import reference
-from tests.reference import keydiff_numpy
+from tests.reference import gkv_numpy, h2o_numpy, keydiff_numpy, random_numpy
 from tests.test_compression import SCORE_TOL, _inputs, _random_valid
 from tests.test_policy import _full_qk, _load, _prompt, _ref_keep, _simulate_layer0
 from tests.test_sharding import COLLECTIVES, _random_cache, sub_mesh
@@ -41,6 +41,12 @@ BUILTINS = policies.BUILTINS
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoint):
     return _load(tiny_checkpoint("llama")[0])
+
+
+@pytest.fixture(scope="module")
+def options_of(stats_of):
+    """method -> the options it needs on the tiny Llama (TriAttention: its statistics)."""
+    return lambda method: {"calibration": stats_of("llama")} if method == "triattention" else {}
 
 
 def _greedy(m: int) -> rkvjax.SamplingParams:
@@ -125,7 +131,7 @@ def test_registry_lists_the_builtins_and_builds_them():
         ),
         (lambda: policies.build("rkv", lam=2.0), r"lam must be in \[0, 1\]"),
         (lambda: policies.build("streaming", sinks=-1), "sinks must be an int >= 0"),
-        (lambda: policies.build("h2o"), "unknown method 'h2o'; expected one of"),
+        (lambda: policies.build("lru"), "unknown method 'lru'; expected one of"),
         (lambda: compression_config("keydiff", 32, lam=1.5), r"lam must be in \[0, 1\]"),
         (lambda: compression_config("keydiff", 32, sinks=2), "'keydiff' has no option 'sinks'"),
         (lambda: compression_config("full", None, sinks=2), "method 'full' has no options"),
@@ -313,13 +319,17 @@ def test_keydiff_decode_compressions_match_reference_with_waiting_rows(llama):
 
 
 @pytest.mark.parametrize("method", BUILTINS)
-def test_continuous_batching_gives_each_request_alone_without_recompiling(llama, method):
+def test_continuous_batching_gives_each_request_alone_without_recompiling(
+    llama, method, options_of
+):
     """Six requests through two slots (admissions into freed rows, compressions in both): each
     request's tokens and keep sets are those of the request alone, and the whole run traces
     init, insert and decode once and prefill once per prompt bucket."""
-    cc = compression_config(method, BUDGET, buffer=BUFFER, window=6)  # a plan of its own
+    opts = options_of(method)
+    cc = compression_config(method, BUDGET, buffer=BUFFER, window=6, **opts)  # a plan of its own
     prompts = [_prompt(n, seed=600 + n) for n in (10, 21, 9, 15, 12, 30)]
-    params = [_greedy(m) for m in (30, 12, 40, 20, 25, 33)]
+    # Seeded: random eviction draws from the request's seed (an unseeded request gets a fresh one).
+    params = [dataclasses.replace(_greedy(m), seed=m) for m in (30, 12, 40, 20, 25, 33)]
     eng = rkvjax.Engine(llama, slots=2, cache=cc, max_prefill_rows=1, record_kept=True)
     before = collections.Counter(programs.TRACES)
     eng.submit_many(prompts, params)
@@ -337,12 +347,22 @@ def test_continuous_batching_gives_each_request_alone_without_recompiling(llama,
 
 
 @pytest.mark.parametrize("method", BUILTINS)
-def test_compression_adds_no_collectives_on_a_mesh(method):
+def test_compression_adds_no_collectives_on_a_mesh(method, options_of):
     """Each method's compression runs per device under shard_map (rows and KV heads stay where
     they are): no collective, and the same caches as without the mesh."""
     mesh, rules = sub_mesh(4, 2), sharding.DEFAULT_RULES
-    cc = CompressionConfig(method=method, budget=16, buffer=8, window=8)
-    cache = _random_cache(np.random.RandomState(1))
+    built = policies.build(method, **options_of(method))
+    cc = CompressionConfig(method=method, budget=16, buffer=8, window=8, policy=built)
+    rs = np.random.RandomState(1)
+    cache = _random_cache(rs)
+    cache = dataclasses.replace(
+        cache,
+        prompt=jnp.asarray([3, 9, 0, 30], jnp.int32),
+        seed=jnp.asarray([5, 6, 7, 8], jnp.uint32),
+    )
+    if cc.state is not None:
+        acc = tuple(jnp.asarray(rs.uniform(size=sp.shape), jnp.float32) for sp in cache.slot_pos)
+        cache = dataclasses.replace(cache, acc=acc)
     rows = jnp.array([True, True, False, True])
     start = jnp.int32(0)
     with jax.set_mesh(mesh):
@@ -355,7 +375,12 @@ def test_compression_adds_no_collectives_on_a_mesh(method):
     want = jax.jit(lambda c, r: policy.compress_lanes(c, r, cc, lanes=4, start=start))(cache, rows)
     ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", local.as_text())
     assert not ops, ops
-    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+    # The same kept slots; a state computed by the method (G-KV's) to float32 rounding, as the
+    # one-lane and four-lane blocks are different programs.
+    for a, b in zip(got[0].acc, want[0].acc, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    exact = (dataclasses.replace(x, acc=()) for x in (got[0], want[0]))
+    for a, b in zip(*map(jax.tree.leaves, exact), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -373,9 +398,16 @@ def test_keydiff_on_a_data_x_model_mesh_equals_one_device(tiny_checkpoint):
 
 
 def test_reference_dispatch_knows_every_builtin():
-    """Every built-in method has an independent NumPy reference (tests/reference)."""
+    """Every built-in method without a decoding state has an independent NumPy reference
+    (tests/reference) that `keep_indices` equals; one with a state is one clear error there."""
     q, k = _inputs(9, n_q=4, k_heads=2)
     for method in BUILTINS:
+        if "calibration" in policies.option_names(method):
+            continue  # statistics of a model: tests/test_triattention.py
+        if policies.get(method).state is not None:
+            with pytest.raises(ValueError, match=f"method '{method}' scores keys by the"):
+                C.keep_indices(method, jnp.asarray(q), jnp.asarray(k), budget=20)
+            continue
         got = C.keep_indices(method, jnp.asarray(q), jnp.asarray(k), budget=20)
         np.testing.assert_array_equal(got, reference.keep(method, q, k, budget=20))
 
@@ -523,3 +555,171 @@ def test_shared_kept_sets_on_a_mesh_equal_one_device(tiny_checkpoint):
         timeout=900,
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. H2O (attention received, carried in the cache) and random eviction (the request's seed).
+
+
+# Methods with a per-key state: their NumPy replay of one layer of one row.
+REPLAYS = {"h2o": h2o_numpy.simulate, "gkv": gkv_numpy.simulate}
+
+
+@pytest.mark.parametrize("method", sorted(REPLAYS))
+@pytest.mark.parametrize("kind", ["llama", "qwen2_gqa3", "qwen3"])
+@pytest.mark.parametrize("budget", [20, 28])
+def test_stateful_prefill_compression_matches_reference(tiny_checkpoint, method, kind, budget):
+    """The prompt's compression at every layer: H2O ranks the prompt's keys by the attention
+    the prompt's own queries gave them, G-KV by its window's (no global score yet)."""
+    model = _load(tiny_checkpoint(kind)[0])
+    lengths = (40, 52)
+    prompts = [_prompt(n, seed=17 + n) for n in lengths]
+    outs = rkvjax.generate(
+        model, prompts, method=method, budget=budget, max_new_tokens=1, record_kept=True
+    )
+    qs, ks = _full_qk(model, prompts, max(lengths))
+    for r, (n, out) in enumerate(zip(lengths, outs, strict=True)):
+        assert out.stats.compressions == 1
+        for layer in range(model.config.num_layers):
+            want = REPLAYS[method](
+                qs[layer][r], ks[layer][r], n, 1, budget=budget, buffer=BUFFER, window=W
+            )[0]
+            np.testing.assert_array_equal(
+                out.kept_positions[0, layer], want, err_msg=f"{r} {layer}"
+            )
+
+
+@pytest.mark.parametrize("method", sorted(REPLAYS))
+def test_stateful_decode_compressions_match_reference_with_waiting_rows(llama, method):
+    """Every compression of every row, each key's state carried from the prompt through every
+    decode step (H2O) or compression (G-KV); rows of one length fill together with one lane,
+    so three wait a step; each row as alone. Layer 0 at every compression; the others at the
+    first (after it, their queries and keys attend a compressed cache, which the full forward
+    the reference replays does not)."""
+    lengths = (9, 14, 30, 11, 11, 11, 11)
+    prompts = [_prompt(n, seed=900 + i) for i, n in enumerate(lengths)]
+    cc = compression_config(method, BUDGET, buffer=BUFFER)
+    eng = rkvjax.Engine(llama, slots=len(prompts), cache=cc, max_len=128, lanes=1, record_kept=True)
+    eng.submit_many(prompts, [_greedy(50)] * len(prompts))
+    got = sorted(eng.run(), key=lambda r: r.request_id)
+    assert eng.stats.stalled_row_steps > 0
+    qs, ks = _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, got, strict=True)], 80)
+    for r, (p, res) in enumerate(zip(prompts, got, strict=True)):
+        events = res.stats.compressions
+        assert events >= 3
+        for layer in range(len(ks)):
+            replayed = events if layer == 0 else 1
+            want = REPLAYS[method](
+                qs[layer][r], ks[layer][r], len(p), replayed, budget=BUDGET, buffer=BUFFER, window=W
+            )
+            np.testing.assert_array_equal(
+                res.kept_positions[:replayed, layer], want, err_msg=f"row {r} layer {layer}"
+            )
+        one = rkvjax.Engine(llama, slots=1, cache=cc, max_len=128, record_kept=True)
+        one.submit(p, _greedy(50))
+        (alone,) = one.run()
+        assert res.token_ids == alone.token_ids
+        np.testing.assert_array_equal(res.kept_positions, alone.kept_positions)
+
+
+def test_h2o_sums_move_with_their_keys():
+    """A compression keeps each kept key's sum beside it and empties the rest: the state is the
+    keys' own, whatever slot they move to."""
+    cc = CompressionConfig(method="h2o", budget=16, buffer=8, window=8)
+    rs = np.random.RandomState(3)
+    cache = _random_cache(rs)
+    acc = (jnp.asarray(rs.uniform(size=cache.slot_pos[0].shape), jnp.float32),)
+    cache = dataclasses.replace(
+        cache,
+        acc=acc,
+        prompt=jnp.zeros((4,), jnp.int32),
+        seed=jnp.zeros((4,), jnp.uint32),
+    )
+    full = jnp.array([True, False, True, True])
+    out = jax.jit(lambda c: policy.compress_lanes(c, full, cc, lanes=4, start=jnp.int32(0))[0])(
+        cache
+    )
+    before_pos, before_acc = np.asarray(cache.slot_pos[0]), np.asarray(acc[0])
+    after_pos, after_acc = np.asarray(out.slot_pos[0]), np.asarray(out.acc[0])
+    for b in range(4):
+        for h in range(after_pos.shape[1]):
+            kept = after_pos[b, h] >= 0
+            src = {p: a for p, a in zip(before_pos[b, h], before_acc[b, h], strict=True)}
+            got = after_acc[b, h, kept]
+            np.testing.assert_array_equal(got, [src[p] for p in after_pos[b, h, kept]])
+            assert (after_acc[b, h, ~kept] == 0).all()
+            if full[b]:
+                # the 8 lowest sums of the 16 candidates are gone; the window stays
+                cand = before_acc[b, h, :16]
+                gone = sorted(set(range(16)) - set(after_pos[b, h, kept]))
+                assert max(cand[gone]) <= min(np.delete(cand, gone))
+
+
+def _random_replay(p: int, seed: int, events: int, kh: int, budget: int) -> np.ndarray:
+    """[events, K, budget] the random method's kept positions for a row with a p-token prompt
+    (the same in every layer: each holds the same positions)."""
+    held = list(range(p))
+    nxt, out = p, []
+
+    def compress():
+        nonlocal held
+        n = len(held)
+        score = random_numpy.scores(held[: n - W], seed=seed, time=held[-1] + 1, prompt=p)
+        idx = keydiff_numpy.keep_by_scores(score[None, None], budget=budget, window=W, n=n)
+        held = [held[i] for i in idx[0, 0]]
+        out.append(np.broadcast_to(np.asarray(held), (kh, budget)))
+
+    if p > budget:
+        compress()
+    while len(out) < events:
+        grow = budget + BUFFER - len(held)
+        held = held + list(range(nxt, nxt + grow))
+        nxt += grow
+        compress()
+    return np.stack(out)
+
+
+def test_random_eviction_matches_reference_and_follows_the_seed(llama):
+    """Every compression of ragged rows (one compressed at prefill, one lane, rows waiting)
+    equals the reference draw from each request's seed, the prompt kept; another seed keeps
+    other tokens; each request as alone."""
+    budget = 28  # 20 candidates kept: shorter prompts leave room for drawn tokens
+    lengths = (8, 14, 30, 11, 11)
+    prompts = [_prompt(n, seed=950 + i) for i, n in enumerate(lengths)]
+    seeds = [11, 12, 13, 14, 15]
+    params = [dataclasses.replace(_greedy(60), seed=s) for s in seeds]
+    cc = compression_config("random", budget, buffer=BUFFER)
+    eng = rkvjax.Engine(llama, slots=len(prompts), cache=cc, max_len=128, lanes=1, record_kept=True)
+    eng.submit_many(prompts, params)
+    got = sorted(eng.run(), key=lambda r: r.request_id)
+    for p, s, sp, res in zip(prompts, seeds, params, got, strict=True):
+        events = res.stats.compressions
+        assert events >= 3
+        want = _random_replay(len(p), s, events, llama.config.kv_heads, budget)
+        for layer in range(llama.config.num_layers):
+            np.testing.assert_array_equal(res.kept_positions[:, layer], want)
+        kept_prompt = set(range(min(len(p), budget - W)))
+        assert kept_prompt <= set(res.kept_positions[-1, 0, 0].tolist())
+        one = rkvjax.Engine(llama, slots=1, cache=cc, max_len=128, record_kept=True)
+        one.submit(p, sp)
+        (alone,) = one.run()
+        assert res.token_ids == alone.token_ids
+        np.testing.assert_array_equal(res.kept_positions, alone.kept_positions)
+    other = rkvjax.Engine(llama, slots=1, cache=cc, max_len=128, record_kept=True)
+    other.submit(prompts[0], dataclasses.replace(params[0], seed=99))
+    (moved,) = other.run()
+    assert not np.array_equal(moved.kept_positions[:2], got[0].kept_positions[:2])
+
+
+@pytest.mark.parametrize("method", ["h2o", "gkv", "random"])
+def test_stateful_methods_on_a_data_x_model_mesh_equal_one_device(tiny_checkpoint, method):
+    folder = tiny_checkpoint("llama")[0]
+    prompts = [_prompt(n, seed=710 + n) for n in (9, 20, 33)]
+    kw = dict(method=method, budget=16, buffer=8, max_new_tokens=40, record_kept=True, seed=3)
+    want = rkvjax.generate(_load(folder), prompts, **kw)
+    sharded = rkvjax.load(folder, dtype="float32", mesh=sub_mesh(2, 2))
+    got = rkvjax.generate(sharded, prompts, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.stats.compressions == w.stats.compressions >= 2
+        np.testing.assert_array_equal(g.kept_positions, w.kept_positions)

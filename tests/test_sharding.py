@@ -184,7 +184,7 @@ def test_compression_compiles_without_collectives():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _compiled_decode_on_mesh(model, monkeypatch) -> str:
+def _compiled_decode_on_mesh(model, monkeypatch, method="rkv", **options) -> str:
     """Optimized HLO of the decode chunk `generate` runs for PROMPTS on `model`'s mesh."""
     seen = []
     real = programs.decode
@@ -197,19 +197,22 @@ def _compiled_decode_on_mesh(model, monkeypatch) -> str:
         return real(decoder, state, steps=steps, plan=plan, **kw)
 
     monkeypatch.setattr(programs, "decode", spy)
-    rkvjax.generate(model, PROMPTS, method="rkv", **GEN)
+    rkvjax.generate(model, PROMPTS, method=method, **GEN, **options)
     state, plan = seen[0]
     with jax.set_mesh(model.mesh):
         return real.lower(model.decoder, state, steps=4, plan=plan).compile().as_text()
 
 
-def test_decode_step_gathers_nothing(load_sharded, monkeypatch):
+@pytest.mark.parametrize("method", ["rkv", "h2o", "gkv", "triattention", "random"])
+def test_decode_step_gathers_nothing(load_sharded, monkeypatch, stats_of, method):
     """On a mesh, a compiled decode chunk's only collectives are tensor parallelism's all-reduces
-    of the attention and MLP outputs ([D, B, 1] each) and scalar flags. The cache append once
+    of the attention and MLP outputs ([D, B, 1] each) and scalar flags, whatever the method:
+    H2O's per-step sums of attention stay where their keys are. The cache append once
     all-gathered every layer's new keys, values and scatter indices on every step, and the
     automatic partitioner gathered the rows for the sampler and the output buffers."""
     m = load_sharded(4, 2)
-    hlo = _compiled_decode_on_mesh(m, monkeypatch)
+    options = {"calibration": stats_of("llama")} if method == "triattention" else {}
+    hlo = _compiled_decode_on_mesh(m, monkeypatch, method, **options)
     ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
     assert set(ops) == {"all-reduce"}, sorted(set(ops))
     shaped = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-reduce(?:-start)?\(", hlo)

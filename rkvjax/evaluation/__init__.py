@@ -3,13 +3,19 @@
 - `problems`: the problem file (MATH-500, AIME 2024 or any JSONL with a problem and an answer).
 - `hub`: a problem file named by a Hugging Face dataset, fetched once into a local cache.
 - `grading`: the answer of a completion and whether it equals the reference (math-verify).
-- `metrics`: pass@k, the n-gram repetition rate, the summary of a run.
+- `metrics`: pass@k, the n-gram repetition rate, looping samples, the summary of a run.
 - `run`: `run_eval`, the R1 recipe as a resumable job on the slot runtime.
 """
 
 from rkvjax.evaluation.grading import Grade, extract, final_part, grade, is_equivalent, last_boxed
 from rkvjax.evaluation.hub import problem_file
-from rkvjax.evaluation.metrics import k_values, pass_at_k, repetition_rate, summarize
+from rkvjax.evaluation.metrics import (
+    is_looping,
+    k_values,
+    pass_at_k,
+    repetition_rate,
+    summarize,
+)
 from rkvjax.evaluation.problems import Problem, read_problems
 from rkvjax.evaluation.run import (
     MAX_TOKENS,
@@ -38,6 +44,7 @@ __all__ = [
     "final_part",
     "grade",
     "is_equivalent",
+    "is_looping",
     "k_values",
     "last_boxed",
     "pass_at_k",

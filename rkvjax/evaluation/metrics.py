@@ -9,6 +9,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 REPETITION_N = 4  # n of the n-gram repetition rate
+# A sample loops when it is cut at its token limit while its last LOOP_TAIL tokens repeat at
+# least LOOP_REPETITION of their n-grams: a cycle the model did not leave before the limit.
+LOOP_TAIL = 256
+LOOP_REPETITION = 0.5
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,6 +36,16 @@ def repetition_rate(tokens: Sequence[Any], n: int = REPETITION_N) -> float:
     return 1.0 - len(set(grams)) / len(grams)
 
 
+def is_looping(tokens: Sequence[Any], finish_reason: str | None) -> bool:
+    """Whether a sample ended in a loop: cut at the token limit (finish reason "length") with
+    the 4-gram repetition rate of its last `LOOP_TAIL` tokens at least `LOOP_REPETITION`.
+    Reasoning models under a too-small cache degrade this way (repeating a step until the
+    limit) more often than they answer wrongly, so it is counted apart from accuracy."""
+    if finish_reason != "length":
+        return False
+    return repetition_rate(tokens[-LOOP_TAIL:]) >= LOOP_REPETITION
+
+
 def k_values(samples: int) -> list[int]:
     """The k of the pass@k table: 1, 2, 4, ... up to the samples per problem, and that."""
     ks = [1]
@@ -46,7 +60,8 @@ def summarize(
     lines: Iterable[Mapping[str, Any]], problems: Sequence[Any], samples: int
 ) -> dict[str, Any]:
     """The scores of graded sample lines (id, correct, answer_source, completion_tokens,
-    compressions, repetition, finish_reason) over `problems`, each with `samples` samples.
+    compressions, repetition, looping, finish_reason) over `problems`, each with `samples`
+    samples.
 
     Problems without all their samples (a job stopped early) are left out of the scores and
     counted in `incomplete_problems`. `pass@1` grades by the whole rule of `grading`;
@@ -92,6 +107,10 @@ def summarize(
         "mean_compressions": mean("compressions"),
         "repetition": mean("repetition"),
         "repetition_n": REPETITION_N,
+        # Lines of an older run have no "looping": then it is not known.
+        "looping": statistics.fmean(s["looping"] for s in graded)
+        if graded and all("looping" in s for s in graded)
+        else None,
         "finish_reasons": dict(finish),
     }
 

@@ -63,6 +63,7 @@ class GradingRunner(jobs.Runner):
                     "answer_source": g.source,
                     "correct": g.correct,
                     "repetition": round(metrics.repetition_rate(rec["token_ids"]), 6),
+                    "looping": metrics.is_looping(rec["token_ids"], rec["finish_reason"]),
                 },
             )
 

@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
-from rkvjax.policies import base, keydiff, rkv, snapkv, streaming
+from rkvjax.policies import (
+    base,
+    gkv,
+    h2o,
+    keydiff,
+    random_eviction,
+    rkv,
+    snapkv,
+    streaming,
+    triattention,
+)
 from rkvjax.policies.base import (
     ENTRY_POINT_GROUP,
     PLUGINS_ENV,
@@ -18,17 +28,25 @@ from rkvjax.policies.base import (
     register,
     unregister,
 )
+from rkvjax.policies.gkv import GKV
+from rkvjax.policies.h2o import H2O
 from rkvjax.policies.keydiff import KeyDiff
+from rkvjax.policies.random_eviction import Random
 from rkvjax.policies.rkv import RKV
 from rkvjax.policies.snapkv import SnapKV
 from rkvjax.policies.streaming import Streaming
+from rkvjax.policies.triattention import TriAttention
 
 # R-KV first, then the paper's baselines, then the others (how help and errors list them).
-BUILTINS = base.put_first(("rkv", "snapkv", "streaming", "keydiff"))
+BUILTINS = base.put_first(
+    ("rkv", "snapkv", "streaming", "keydiff", "h2o", "gkv", "triattention", "random")
+)
 
 __all__ = [
     "BUILTINS",
     "ENTRY_POINT_GROUP",
+    "GKV",
+    "H2O",
     "PLUGINS_ENV",
     "RKV",
     "RKV_OPTIONS",
@@ -36,20 +54,26 @@ __all__ = [
     "Context",
     "KeyDiff",
     "Policy",
+    "Random",
     "SnapKV",
     "Streaming",
+    "TriAttention",
     "build",
     "check_unused",
     "get",
+    "gkv",
+    "h2o",
     "keydiff",
     "names",
     "option_names",
     "parse_options",
+    "random_eviction",
     "register",
     "resolve",
     "rkv",
     "snapkv",
     "streaming",
+    "triattention",
     "unregister",
 ]
 

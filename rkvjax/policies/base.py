@@ -31,11 +31,14 @@ ENTRY_POINT_GROUP = "rkvjax.policies"
 _NAME = re.compile(r"[a-z][a-z0-9_\-]*\Z")
 
 
-# The per-key states the engine can carry for a method (`Policy.state`), and how it updates them.
+# The per-key states the engine can carry for a method (`Policy.state`), by what they hold.
 # "attention": the attention each cached key has received, summed over every query that saw it
 # (the prompt's and each decode step's) and over its KV head's query group; a compression moves
 # a key's sum with it, a new key starts at its own query's weight.
-STATES = ("attention",)
+# "score": the method's own number per key, which only its compressions change: `scores` then
+# returns (scores, state [B, K, n] of every key after this compression), and the state of the
+# kept keys moves with them; a new key starts at 0.
+STATES = {"attention": "the attention", "score": "the scores"}
 
 
 @jax.tree_util.register_dataclass
@@ -49,7 +52,11 @@ class Context:
     prompt: jax.Array  # [B] int32 each row's prompt length (its positions [0, prompt))
     seed: jax.Array  # [B] uint32 the request's seed
     state: jax.Array | None  # [B, K, n] float32 the method's per-key state (`Policy.state`)
+    # Which of the model's KV heads the K here are: on a mesh a device scores its own block,
+    # heads [head0, head0 + K) of `kv_heads` (a method with per-head constants slices them).
+    head0: jax.Array | int = 0  # [] int32
     layer: int = dataclasses.field(default=0, metadata={"static": True})
+    kv_heads: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     @classmethod
     def plain(cls, keys: jax.Array, state: jax.Array | None = None) -> Context:
@@ -88,7 +95,8 @@ class Policy:
         """Raises ValueError naming the first bad hyperparameter (called when built)."""
 
     def scores(self, queries, keys, valid, *, impl=None, target=None):
-        """Scores of the candidates: float32 [B, K, n - W], higher kept first.
+        """Scores of the candidates: float32 [B, K, n - W], higher kept first (and, for
+        `state = "score"`, the new per-key state [B, K, n] float32 beside them).
 
         Args:
           queries: [B, N, W, H] the window's queries, post-RoPE; query head h reads KV head
@@ -128,7 +136,7 @@ def register(cls: type[Policy]) -> type[Policy]:
         )
     name = cls.__dict__.get("name")
     if getattr(cls, "state", None) not in (None, *STATES):
-        raise ValueError(f"{cls.__name__}.state must be None or one of {STATES}")
+        raise ValueError(f"{cls.__name__}.state must be None or one of {tuple(STATES)}")
     if not isinstance(name, str) or not _NAME.match(name) or name == "full":
         raise ValueError(
             f"{cls.__name__}.name must be a lower-case name (letters, digits, '_', '-') other "
