@@ -299,14 +299,16 @@ def method_options(method: str, args, model, name: str, folder: Path) -> dict:
         return {"calibration": str(args.calibration)}
     from rkvjax import calibration
 
-    path = Path(folder) / f"calibration-{name}.npz"
+    data = Path(getattr(args, "data", DATA))
+    path = Path(folder) / f"calibration-{name}-{np.dtype(model.dtype).name}-{data.stem}.npz"
     if not path.is_file():
         if has_chat(model):
-            problems = math500_problems(args.data if hasattr(args, "data") else DATA)
+            problems = math500_problems(data)
             ids = [chat_ids(model, p) for p in problems[-CALIBRATION_PROMPTS:]]
         else:
             ids = random_prompts(model, 4)
         stats = calibration.calibrate(model, ids, source=f"bench: {len(ids)} prompts")
+        path.parent.mkdir(parents=True, exist_ok=True)
         calibration.save(stats, path, overwrite=True)
     return {"calibration": str(path)}
 

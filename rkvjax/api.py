@@ -75,11 +75,14 @@ def _think_end_id(model: Model, token: str | int) -> int:
     return ids[0]
 
 
-def _slot_bytes(model: Model, capacity: int, window: int, penalties: bool) -> int:
-    """Device bytes one slot holds: its K/V cache, slot positions and query ring."""
+def _slot_bytes(
+    model: Model, capacity: int, window: int, penalties: bool, state: bool = False
+) -> int:
+    """Device bytes one slot holds: its K/V cache, slot positions, per-key state (`state`:
+    a method that keeps one) and query ring."""
     cfg = model.config
     item = np.dtype(model.dtype).itemsize
-    per_layer = cfg.kv_heads * capacity * (2 * cfg.head_dim * item + 4)
+    per_layer = cfg.kv_heads * capacity * (2 * cfg.head_dim * item + 4 + (4 if state else 0))
     per_layer += cfg.q_heads * window * cfg.head_dim * item
     return cfg.num_layers * per_layer + (5 * cfg.vocab_size if penalties else 0)
 
@@ -106,14 +109,16 @@ def _device_memory(model: Model) -> int | None:
     return max(0, total - weights)
 
 
-def default_slots(model: Model, samples: int, capacity: int, window: int, penalties: bool) -> int:
+def default_slots(
+    model: Model, samples: int, capacity: int, window: int, penalties: bool, state: bool = False
+) -> int:
     """Every sample at once when their caches fit in half of each device's memory (less the
     weights), else the largest power of two of rows that does (at least one per data shard).
     Deterministic: the same call gets the same slots, so it compiles the same programs."""
     memory = _device_memory(model)
     fit = samples
     if memory is not None:
-        per_slot = _slot_bytes(model, capacity, window, penalties)
+        per_slot = _slot_bytes(model, capacity, window, penalties, state)
         fit = int(memory * _MEMORY_SHARE * model.data_shards) // per_slot
         fit = 1 << (fit.bit_length() - 1) if fit else 0
     if jax.process_count() > 1:  # every process must build the same engine: process 0's count
@@ -193,7 +198,8 @@ def engine_for(
         capacity = requests.bucket(longest, model.config.max_positions - max_new) + max_new - 1
     if slots is None:
         window_slots = cc.window if cc.compressing else 0
-        slots = default_slots(model, samples, capacity, window_slots, penalties)
+        stateful = cc.state is not None
+        slots = default_slots(model, samples, capacity, window_slots, penalties, stateful)
         if slot_cap is not None:
             slots = max(model.data_shards, min(slots, slot_cap))
     # At most the vocabulary: a request asking for more is refused by name when submitted.

@@ -113,7 +113,7 @@ def calibrate(
       ValueError: for no prompts, an empty one or one longer than the model's context.
     """
     from rkvjax import requests, sharding
-    from rkvjax.runtime.executor import on_mesh
+    from rkvjax.runtime.executor import device_rows, on_mesh
 
     cfg = model.config
     if not prompts:
@@ -132,7 +132,10 @@ def calibrate(
         with on_mesh(model):
             for i, ids in enumerate(prompts):
                 tok, pos = requests.pad_left([list(ids)], 1, cfg.max_positions)
-                sums = _query_sums_jit(model.decoder, jnp.asarray(tok), jnp.asarray(pos))
+                # Whole on every device (one row): every process passes the same prompt.
+                sums = _query_sums_jit(
+                    model.decoder, device_rows(model, tok), device_rows(model, pos)
+                )
                 total += np.float64(sharding.to_host(sums))
                 tokens += len(ids)
                 report(i + 1)

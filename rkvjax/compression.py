@@ -128,15 +128,29 @@ def scores_and_state(
         kw["context"] = policies.Context.plain(keys) if context is None else context
         if policy.state is not None and kw["context"].state is None:
             raise ValueError(
-                f"method {policy.name!r} scores keys by {policies.STATES[policy.state]} they "
-                "received while decoding, which only the engine tracks: run it through "
-                "rkvjax.generate or rkvjax.Engine, not on keys alone"
+                f"method {policy.name!r} {policies.STATES[policy.state]}, a state only the "
+                "engine keeps: run it through rkvjax.generate or rkvjax.Engine, not on keys alone"
             )
     out = policy.scores(queries, keys, valid, **kw)  # [B, K, n-W] (, [B, K, n])
-    score, state = out if policy.state == "score" else (out, None)
-    if score.shape != cand.shape:
+    state = None
+    if policy.state == "score":
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                f"method {policy.name!r} (state 'score') must return (scores, state), got "
+                f"{type(out).__name__}"
+            )
+        out, state = out
+        if state.shape != keys.shape[:3]:
+            raise ValueError(
+                f"method {policy.name!r} returned a state of shape {state.shape}, expected "
+                f"[B, K, n] = {keys.shape[:3]}"
+            )
+        state = state.astype(jnp.float32)
+    score = out
+    if not hasattr(score, "shape") or score.shape != cand.shape:
         raise ValueError(
-            f"method {policy.name!r} scored shape {score.shape}, expected [B, K, n - W] = "
+            f"method {policy.name!r} scored shape {getattr(score, 'shape', score)}, expected "
+            "[B, K, n - W] = "
             f"{cand.shape}"
         )
     score = score.astype(jnp.float32)

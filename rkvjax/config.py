@@ -189,7 +189,7 @@ def compression_config(
         share=share,
         think_end_id=think_end_id,
         answer_slots=(ANSWER_SLOTS if answer_slots is None else answer_slots)
-        if think_end_id
+        if think_end_id is not None
         else 0,
         pallas=pallas,
     )

@@ -1,4 +1,5 @@
-"""When and how the KV cache is filled and compressed: prompt placement and `maybe_compress`.
+"""When and how the KV cache is filled and compressed: prompt placement (`prefill_cache`) and
+the compression lanes (`compress_lanes`).
 
 Scoring and selection live in `rkvjax.compression` (one code path for the engine and the public
 `keep_indices`); this module applies the selected slots to the cache, per layer and per row.
@@ -401,20 +402,25 @@ def _compress_block(ks, vs, sps, qs, accs, length, rows: Rows, cc, dtype, heads_
     # select() reads the last W slots as the observation window. A row compressed below the
     # capacity (think-only: trigger < capacity) holds its newest tokens at
     # [length - W, length): rotate it to end at slot C - 1 first (empty slots go first).
+    roll = None
     if c > cc.trigger:
         roll = (jnp.arange(c)[None, :] + length[:, None]) % c  # [R, C]
-        rolled = [
-            _gather(k, v, sp, a, jnp.broadcast_to(roll[:, None], sp.shape))
-            for k, v, sp, a in zip(ks, vs, sps, accs, strict=True)
-        ]
-        ks, vs, sps, accs = (tuple(x) for x in zip(*rolled, strict=True))
+
+    def rolled(k, v, sp, a):
+        if roll is None:
+            return k, v, sp, a
+        return _gather(k, v, sp, a, jnp.broadcast_to(roll[:, None], sp.shape))
+
     out = []
     if cc.share == "none":  # layer by layer: one layer's temporaries live at a time
         for i, (k, v, sp, q, a) in enumerate(zip(ks, vs, sps, qs, accs, strict=True)):
+            k, v, sp, a = rolled(k, v, sp, a)
             keys = layers.from_storage(k, dtype)
             idx, a = _select(cc, q, keys, sp, cc.budget, rows, a, i, heads_axis)
             out.append(_gather(k, v, sp, a, idx, c))
-    else:
+    else:  # every layer's scores first
+        all_rolled = [rolled(*x) for x in zip(ks, vs, sps, accs, strict=True)]
+        ks, vs, sps, accs = (tuple(x) for x in zip(*all_rolled, strict=True))
         keys = [layers.from_storage(k, dtype) for k in ks]
         idxs, states = _select_layers(cc, qs, keys, sps, cc.budget, rows, accs, heads_axis)
         for k, v, sp, a, idx in zip(ks, vs, sps, states, idxs, strict=True):

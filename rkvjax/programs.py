@@ -527,6 +527,10 @@ def insert(
     cc = plan.compression
     r = src.shape[0]
     cache = kv.take_rows(group.cache, src)
+    # A request's n samples share its prompt's compression but draw their own afterwards
+    # (random eviction): sample i's seed is the request's plus i times 2^32 / golden ratio.
+    step = new.sampling.sample_index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
+    cache = dataclasses.replace(cache, seed=new.sampling.seed.astype(jnp.uint32) + step)
     logits = group.logits[src]  # [R, V]
     num = jnp.zeros((r,), jnp.int32)
     seen = group.seen[src]

@@ -24,7 +24,7 @@ import pytest
 
 import rkvjax
 from rkvjax import cache as kv
-from rkvjax import cli, policies, policy, programs, sharding
+from rkvjax import cli, defaults, policies, policy, programs, sharding
 from rkvjax import compression as C
 from rkvjax.config import CompressionConfig, compression_config
 from tests import reference
@@ -184,6 +184,14 @@ def test_register_refuses_what_cannot_be_a_static_policy():
         policies.register(Clash)
     with pytest.raises(TypeError, match="Policy subclass"):
         policies.register(int)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Blind(policies.Policy):
+        name = "blind"
+        state = "attention"
+
+    with pytest.raises(ValueError, match="keeps a state, which it reads from its context"):
+        policies.register(Blind)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -405,7 +413,7 @@ def test_reference_dispatch_knows_every_builtin():
         if "calibration" in policies.option_names(method):
             continue  # statistics of a model: tests/test_triattention.py
         if policies.get(method).state is not None:
-            with pytest.raises(ValueError, match=f"method '{method}' scores keys by the"):
+            with pytest.raises(ValueError, match=f"method '{method}' .*a state only the engine"):
                 C.keep_indices(method, jnp.asarray(q), jnp.asarray(k), budget=20)
             continue
         got = C.keep_indices(method, jnp.asarray(q), jnp.asarray(k), budget=20)
@@ -723,3 +731,39 @@ def test_stateful_methods_on_a_data_x_model_mesh_equal_one_device(tiny_checkpoin
         assert g.token_ids == w.token_ids
         assert g.stats.compressions == w.stats.compressions >= 2
         np.testing.assert_array_equal(g.kept_positions, w.kept_positions)
+
+
+@pytest.mark.parametrize("method", sorted(REPLAYS))
+def test_stateful_think_only_rolls_the_state_with_its_keys(llama, method):
+    """Think-only mode compresses rows below their capacity, rotating each row's slots first:
+    with an end-of-thinking token that never comes, every compression keeps what the plain
+    run keeps (the per-key state rotated with its keys), and the tokens are the same."""
+    p = _prompt(9, seed=77)
+    kw = dict(method=method, budget=BUDGET, buffer=BUFFER, max_new_tokens=48, record_kept=True)
+    plain = rkvjax.generate(llama, p, **kw)
+    never = next(t for t in range(llama.config.vocab_size) if t not in plain.token_ids + p)
+    think = rkvjax.generate(llama, p, think_only=True, think_end_token=never, answer_slots=16, **kw)
+    assert think.stats.cache_capacity == BUDGET + BUFFER + 16
+    assert think.token_ids == plain.token_ids
+    assert think.stats.compressions == plain.stats.compressions >= 4
+    np.testing.assert_array_equal(think.kept_positions, plain.kept_positions)
+
+
+def test_the_samples_of_a_request_draw_their_own_random_evictions(llama):
+    """Two greedy samples of one request under random eviction draw their own kept sets
+    (sample 0 from the request's seed, as the request alone)."""
+    p = _prompt(8, seed=78)
+    kw = dict(method="random", budget=24, buffer=BUFFER, record_kept=True)
+    two = rkvjax.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=2, seed=5)
+    a, b = rkvjax.generate(llama, p, sampling=two, **kw)
+    assert a.stats.compressions >= 2
+    assert not np.array_equal(a.kept_positions[0], b.kept_positions[0])
+    one = dataclasses.replace(two, n=1)
+    (alone,) = [rkvjax.generate(llama, p, sampling=one, **kw)]
+    np.testing.assert_array_equal(alone.kept_positions, a.kept_positions)
+
+
+def test_think_only_takes_token_id_zero():
+    """Token id 0 is a token like any other: think-only mode with it gets its answer slots."""
+    cc = compression_config("h2o", BUDGET, buffer=BUFFER, think_end_id=0)
+    assert (cc.think_end_id, cc.answer_slots) == (0, defaults.ANSWER_SLOTS)

@@ -38,7 +38,10 @@ _NAME = re.compile(r"[a-z][a-z0-9_\-]*\Z")
 # "score": the method's own number per key, which only its compressions change: `scores` then
 # returns (scores, state [B, K, n] of every key after this compression), and the state of the
 # kept keys moves with them; a new key starts at 0.
-STATES = {"attention": "the attention", "score": "the scores"}
+STATES = {
+    "attention": "sums the attention its keys receive at every decode step",
+    "score": "carries a score per key from one compression to the next",
+}
 
 
 @jax.tree_util.register_dataclass
@@ -137,6 +140,10 @@ def register(cls: type[Policy]) -> type[Policy]:
     name = cls.__dict__.get("name")
     if getattr(cls, "state", None) not in (None, *STATES):
         raise ValueError(f"{cls.__name__}.state must be None or one of {tuple(STATES)}")
+    if getattr(cls, "state", None) is not None and not getattr(cls, "context", False):
+        raise ValueError(
+            f"{cls.__name__} keeps a state, which it reads from its context: set context = True"
+        )
     if not isinstance(name, str) or not _NAME.match(name) or name == "full":
         raise ValueError(
             f"{cls.__name__}.name must be a lower-case name (letters, digits, '_', '-') other "

@@ -36,6 +36,8 @@ class Random(Policy):
     position (when the compression happens) and each key's position. So a request's kept sets
     are the same whatever slot, batch or device it runs on, and every layer and KV head holding
     the same positions keeps the same ones (one kept set per row, as token eviction means).
+    The n samples of a request share its prompt's compression; after it, sample i draws from
+    the seed plus i * 0x9E3779B9 (sample 0 from the request's seed itself).
 
     With `keep_prompt` the prompt's tokens rank above every generated one (in position order,
     so a prompt longer than the budget keeps its first tokens); without it they are drawn like

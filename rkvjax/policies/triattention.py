@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,18 @@ from rkvjax.policies.base import Policy, register
 PROMPT_SCORE = 1e30
 
 
-@functools.cache
 def _stats(path: str) -> calib.Stats:
-    """The statistics of a file, read once per path."""
+    """The statistics of a file, read once per version of it (a file rewritten with
+    `--overwrite` is read again)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return calib.load(path)  # its one-line error
+    return _stats_of(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.cache
+def _stats_of(path: str, mtime_ns: int, size: int) -> calib.Stats:
     return calib.load(path)
 
 
@@ -69,6 +79,11 @@ class TriAttention(Policy):
     calibration: str = ""  # statistics of the model's queries, written by `rkvjax calibrate`
     max_offset: int = 65536  # the farthest future distance scored (a power of two)
     normalize: bool = True  # z-normalise each query head's scores before the group maximum
+
+    def __post_init__(self):
+        if isinstance(self.calibration, os.PathLike):  # a Path: kept as the string it names
+            object.__setattr__(self, "calibration", os.fspath(self.calibration))
+        super().__post_init__()
 
     def check(self) -> None:
         if not isinstance(self.calibration, str) or not self.calibration:

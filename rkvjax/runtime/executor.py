@@ -180,7 +180,8 @@ class Executor:
             tokens, positions = requests.pad_left(
                 step.prefill.prompts, step.prefill.rows, model.config.max_positions
             )
-            seeds = np.zeros(len(tokens), np.uint32)
+            assert len(step.prefill.seeds) == len(step.prefill.prompts)
+            seeds = np.zeros(len(tokens), np.uint32)  # and 0 for the padding rows
             seeds[: len(step.prefill.seeds)] = step.prefill.seeds
             host.update(tokens=tokens, positions=positions, seeds=seeds)
         where = None
@@ -303,8 +304,9 @@ class Executor:
                         self.decoder, state, steps=self.chunk, plan=self.plan
                     )
                 elif name == "prefill":
+                    seeds = jax.ShapeDtypeStruct(tokens.shape[:1], jnp.uint32)
                     lowered = programs.prefill.lower(
-                        self.decoder, tokens, tokens, capacity=self.capacity, plan=self.plan
+                        self.decoder, tokens, tokens, seeds, capacity=self.capacity, plan=self.plan
                     )
                 elif name == "compress":
                     full = jax.ShapeDtypeStruct((self.slots,), jnp.bool_)

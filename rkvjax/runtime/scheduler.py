@@ -214,7 +214,10 @@ class Scheduler:
     def _prefill(self, reqs: list[requests.Request]) -> Prefill:
         rows = requests.row_bucket(len(reqs), self.cfg.max_prefill_rows, self.cfg.data_shards)
         prompts = tuple(r.prompt_token_ids for r in reqs)
-        seeds = tuple(r.sampling.seed or 0 for r in reqs)
+        seeds = tuple(r.sampling.seed for r in reqs)
+        # The engine gives every request a seed when it is submitted (random eviction draws
+        # from it already at the prompt's compression).
+        assert None not in seeds, "a request reached the scheduler without a seed"
         return Prefill(next(self._groups), prompts, rows, seeds)
 
     def _insert(

@@ -55,7 +55,7 @@ def simulate(
             a = local_scores(queries, keys, window=window)
             g = np.maximum(alpha * np.asarray([glob[h].get(p, 0.0) for p in pos[:m]]), a)
             r = redundancy(keys[None, None], window=window, threshold=threshold, retain=retain)
-            r = r[0, 0] / r[0, 0].max()
+            r = r[0, 0] / (r[0, 0].max() if r[0, 0].max() > 0 else 1.0)
             score = lam * g - (1 - lam) * r
             idx = keep_by_scores(score[None, None], budget=budget, window=window, n=n)[0, 0]
             glob[h] = {pos[i]: g[i] for i in idx if i < m}
