@@ -108,6 +108,8 @@ SLOWEST_FIRST = (
     "test_bench.py",
     "test_policy.py",
     "test_policies.py",
+    "test_stateful_policies.py",
+    "test_triattention.py",
     "test_jobs.py",
     "test_sharding.py",
     "test_multihost.py",

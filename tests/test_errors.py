@@ -136,7 +136,7 @@ def model(tiny_checkpoint):
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-2), "top_k"),
-        (dict(method="h2o"), "method must be one of"),
+        (dict(method="lru"), "method must be one of"),
         (dict(max_new_tokens=600), "exceed the model's 512 positions"),
     ],
 )

@@ -180,7 +180,8 @@ class Executor:
             tokens, positions = requests.pad_left(
                 step.prefill.prompts, step.prefill.rows, model.config.max_positions
             )
-            assert len(step.prefill.seeds) == len(step.prefill.prompts)
+            if len(step.prefill.seeds) != len(step.prefill.prompts) or None in step.prefill.seeds:
+                raise AssertionError("every prefilled prompt needs its request's seed")
             seeds = np.zeros(len(tokens), np.uint32)  # and 0 for the padding rows
             seeds[: len(step.prefill.seeds)] = step.prefill.seeds
             host.update(tokens=tokens, positions=positions, seeds=seeds)

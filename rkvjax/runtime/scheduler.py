@@ -53,7 +53,7 @@ class Prefill:
     group: int
     prompts: tuple[tuple[int, ...], ...]
     rows: int
-    seeds: tuple[int, ...] = ()  # each prompt's request seed (policies that draw at random)
+    seeds: tuple[int | None, ...] = ()  # each prompt's request seed (random eviction draws)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +214,9 @@ class Scheduler:
     def _prefill(self, reqs: list[requests.Request]) -> Prefill:
         rows = requests.row_bucket(len(reqs), self.cfg.max_prefill_rows, self.cfg.data_shards)
         prompts = tuple(r.prompt_token_ids for r in reqs)
-        seeds = tuple(r.sampling.seed for r in reqs)
         # The engine gives every request a seed when it is submitted (random eviction draws
-        # from it already at the prompt's compression).
-        assert None not in seeds, "a request reached the scheduler without a seed"
+        # from it already at the prompt's compression); the executor refuses one without.
+        seeds = tuple(r.sampling.seed for r in reqs)
         return Prefill(next(self._groups), prompts, rows, seeds)
 
     def _insert(
