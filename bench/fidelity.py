@@ -1,8 +1,8 @@
-"""Fidelity of each cache policy to FullKV on long greedy traces: top-1 agreement and KL.
+"""Fidelity of each cache policy to FullKV on long traces: top-1 agreement and KL.
 
-Generates greedy FullKV traces of MATH-500 chat prompts (cached in the suite's traces.json),
-then teacher-forces them with `rkvjax.score` under each method and budget, and compares each
-position's next-token distribution with FullKV's.
+Generates greedy (or, with --temperature, sampled) FullKV traces of MATH-500 chat prompts
+(cached in the suite's traces.json), then teacher-forces them with `rkvjax.score` under each
+method and budget, and compares each position's next-token distribution with FullKV's.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ def add_arguments(p) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512])
     common.add_methods_argument(p, METHODS)
     p.add_argument("--prompts", type=int, default=3, help="traces, scored as one batch")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="FullKV traces greedy (0) or sampled at this temperature, top-p 0.95",
+    )
+    p.add_argument("--seed", type=int, default=0, help="of the sampled traces")
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="skip longer problems")
     p.add_argument("--buffer", type=int, default=defaults.BUFFER)
     p.add_argument("--window", type=int, default=defaults.WINDOW)
@@ -59,24 +66,35 @@ def problem_ids(model, args) -> list[list[int]]:
     raise ValueError(f"{args.data}: fewer than {args.prompts} problems of <= max-prompt-tokens")
 
 
-def _trace_key(name: str, ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps([name, ids]).encode()).hexdigest()[:16]
+def _trace_key(name: str, ids: list[int], temperature: float = 0.0, seed: int = 0) -> str:
+    """A trace's key in the cache file: the model and prompt (greedy traces, as they always
+    were), plus the temperature and seed of a sampled one."""
+    what = [name, ids] if temperature == 0.0 else [name, ids, temperature, seed]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 
 def full_traces(model, name: str, prompts: list[list[int]], args) -> tuple[list, dict]:
-    """FullKV greedy continuations of every prompt (ignore_eos), from the cache file when it holds
-    them at least --new-tokens long. Returns (continuations, generation info)."""
-    n = args.new_tokens
+    """FullKV continuations of every prompt (ignore_eos; greedy, or sampled at --temperature
+    with top-p 0.95 from --seed), from the cache file when it holds them at least
+    --new-tokens long. Returns (continuations, generation info)."""
+    n, temperature = args.new_tokens, args.temperature
     cache = {}
     if args.traces.is_file() and not args.regenerate:
         cache = json.loads(args.traces.read_text())
-    keys = [_trace_key(name, ids) for ids in prompts]
+    keys = [_trace_key(name, ids, temperature, args.seed) for ids in prompts]
     if all(k in cache and len(cache[k]["token_ids"]) >= n for k in keys):
-        # A greedy trace's prefix is the greedy trace of the shorter length.
+        # A trace's prefix is the trace of the shorter length (a sample's too: token i's key
+        # depends on the seed and i only).
         return [cache[k]["token_ids"][:n] for k in keys], {"trace_cached": True}
+    sampled = dict(temperature=temperature, top_p=0.95, seed=args.seed) if temperature else {}
     wall, out = common.timed(
         lambda: rkvjax.generate(
-            model, prompts, method="full", max_new_tokens=n, ignore_eos=True, temperature=0.0
+            model,
+            prompts,
+            method="full",
+            max_new_tokens=n,
+            ignore_eos=True,
+            **(sampled or {"temperature": 0.0}),
         )
     )
     for k, ids, r in zip(keys, prompts, out, strict=True):
@@ -91,6 +109,10 @@ def full_traces(model, name: str, prompts: list[list[int]], args) -> tuple[list,
         "trace_compile_s": s.compile_s,
     }
     return [r.token_ids for r in out], info
+
+
+def _kind(temperature: float) -> str:
+    return f"sampled (T={temperature:g}, top-p 0.95)" if temperature else "greedy"
 
 
 def kl_rows(ref: np.ndarray, other: np.ndarray, chunk: int = 256) -> np.ndarray:
@@ -143,7 +165,13 @@ def run(args, folder) -> list[dict]:
     lens = [len(p) for p in prompts]
     meta = {
         **common.run_meta(
-            model=name, buffer=args.buffer, window=args.window, lam=args.lam, share=args.share
+            model=name,
+            buffer=args.buffer,
+            window=args.window,
+            lam=args.lam,
+            share=args.share,
+            temperature=args.temperature,
+            trace_seed=args.seed if args.temperature else None,
         ),
         **info,
         "prompt_tokens": lens,
@@ -153,7 +181,8 @@ def run(args, folder) -> list[dict]:
 
     ref, wall = run_score(model, seqs, lens, method="full")
     # The FullKV rescoring should predict its own greedy trace; less than 1 means argmax ties
-    # or numerics differ between the generation and the teacher-forced pass.
+    # or numerics differ between the generation and the teacher-forced pass (a sampled trace
+    # agrees less: it did not always take the argmax).
     same = [r.top1 == c for r, c in zip(ref, conts, strict=True)]
     self_agree = float(np.mean(np.concatenate(same)))
     full_row = {
@@ -188,7 +217,8 @@ def run(args, folder) -> list[dict]:
             common.emit(row, folder)
             rows.append(row)
     print(
-        f"\n{name}: {len(seqs)} FullKV greedy traces of {args.new_tokens} tokens (prompts {lens}),"
+        f"\n{name}: {len(seqs)} FullKV {_kind(args.temperature)} traces of {args.new_tokens} "
+        f"tokens (prompts {lens}),"
         f" teacher-forced; buffer {args.buffer}, window {args.window}, lam {args.lam}; "
         f"load average {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
         f"host peak RSS {common.max_rss_bytes() / 2**30:.1f} GiB; "
@@ -201,7 +231,8 @@ def run(args, folder) -> list[dict]:
 def table(rows: list[dict]) -> str:
     r0 = rows[0]
     head = (
-        f"{r0['model']}: {len(r0['prompt_tokens'])} FullKV greedy traces of {r0['new_tokens']} "
+        f"{r0['model']}: {len(r0['prompt_tokens'])} FullKV {_kind(r0.get('temperature', 0.0))} "
+        f"traces of {r0['new_tokens']} "
         f"tokens, teacher-forced; buffer {r0['buffer']}, window {r0['window']}, lam {r0['lam']}, "
         f"shared kept sets: {r0.get('share', 'none')}; "
         "KL(FullKV || method) per position, dNLL: trace NLL increase per token (nats)."

@@ -235,3 +235,35 @@ def test_think_only_takes_token_id_zero():
     """Token id 0 is a token like any other: think-only mode with it gets its answer slots."""
     cc = compression_config("h2o", BUDGET, buffer=BUFFER, think_end_id=0)
     assert (cc.think_end_id, cc.answer_slots) == (0, defaults.ANSWER_SLOTS)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_gqa3", "qwen3"])
+@pytest.mark.parametrize("budget", [20, 28])
+def test_random_prefill_compression_matches_reference(tiny_checkpoint, kind, budget):
+    """A prompt longer than the budget, drawn from (with `keep_prompt=False`; with it, the
+    prompt's first tokens): every layer and KV head keeps the reference's draw."""
+    model = _load(tiny_checkpoint(kind)[0])
+    lengths, seeds = (40, 52), (21, 22)
+    prompts = [_prompt(n, seed=31 + n) for n in lengths]
+    params = [dataclasses.replace(_greedy(1), seed=s) for s in seeds]
+    for keep_prompt in (False, True):
+        outs = rkvjax.generate(
+            model,
+            prompts,
+            sampling=params,
+            method="random",
+            keep_prompt=keep_prompt,
+            budget=budget,
+            record_kept=True,
+        )
+        for n, s, out in zip(lengths, seeds, outs, strict=True):
+            assert out.stats.compressions == 1
+            score = random_numpy.scores(
+                range(n - W), seed=s, time=n, prompt=n, keep_prompt=keep_prompt
+            )
+            want = keydiff_numpy.keep_by_scores(score[None, None], budget=budget, window=W, n=n)
+            if keep_prompt:
+                assert want[0, 0].tolist() == [*range(budget - W), *range(n - W, n)]
+            for layer in range(model.config.num_layers):
+                for h in range(model.config.kv_heads):
+                    np.testing.assert_array_equal(out.kept_positions[0, layer, h], want[0, 0])
