@@ -30,7 +30,14 @@ from rkvjax.config import CompressionConfig, compression_config
 from tests import reference
 from tests.reference import keydiff_numpy
 from tests.test_compression import SCORE_TOL, _inputs, _random_valid
-from tests.test_policy import _full_qk, _load, _prompt, _ref_keep, _simulate_layer0
+from tests.test_policy import (
+    _full_qk,
+    _load,
+    _prompt,
+    _ref_keep,
+    _simulate_layer0,
+    _waiting_rows_run,
+)
 from tests.test_sharding import COLLECTIVES, _random_cache, sub_mesh
 
 W = 8
@@ -294,21 +301,10 @@ def test_keydiff_decode_compressions_match_reference_with_waiting_rows(llama):
     first, and each row's tokens and keep sets as alone."""
     lengths = (9, 14, 30, 11, 11, 11, 11)
     prompts = [_prompt(n, seed=500 + i) for i, n in enumerate(lengths)]
-    params = [_greedy(50)] * len(prompts)
     cc = compression_config("keydiff", BUDGET, buffer=BUFFER)
-    eng = rkvjax.Engine(llama, slots=len(prompts), cache=cc, max_len=128, lanes=1, record_kept=True)
-    eng.submit_many(prompts, params)
-    got = sorted(eng.run(), key=lambda r: r.request_id)  # run() yields in finish order
-    assert eng.stats.stalled_row_steps > 0
-    alone = []
-    for p in prompts:
-        one = rkvjax.Engine(llama, slots=1, cache=cc, max_len=128, record_kept=True)
-        one.submit(p, params[0])
-        alone += one.run()
+    got = _waiting_rows_run(llama, cc, prompts, [_greedy(50)] * len(prompts))
     qs, ks = _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, got, strict=True)], 80)
-    for r, (p, res, ref) in enumerate(zip(prompts, got, alone, strict=True)):
-        assert res.token_ids == ref.token_ids, f"row {r}"
-        np.testing.assert_array_equal(res.kept_positions, ref.kept_positions)
+    for r, (p, res) in enumerate(zip(prompts, got, strict=True)):
         events = res.stats.compressions
         assert events >= 3
         want = _simulate_layer0(

@@ -149,6 +149,23 @@ def _simulate_layer0(method, q0, k0, p: int, events: int, *, budget, buffer) -> 
     return np.stack(out)
 
 
+def _waiting_rows_run(model, cc, prompts, params) -> list:
+    """`prompts` in as many slots with one compression lane (rows that fill on the same step
+    wait for it), checked against each request alone: the same tokens and kept sets. Returns
+    the batch's results in request order."""
+    eng = rkvjax.Engine(model, slots=len(prompts), cache=cc, max_len=128, lanes=1, record_kept=True)
+    eng.submit_many(prompts, params)
+    got = sorted(eng.run(), key=lambda r: r.request_id)  # run() yields in finish order
+    assert eng.stats.stalled_row_steps > 0
+    for r, (p, sp, res) in enumerate(zip(prompts, params, got, strict=True)):
+        one = rkvjax.Engine(model, slots=1, cache=cc, max_len=128, record_kept=True)
+        one.submit(p, sp)
+        (alone,) = one.run()
+        assert res.token_ids == alone.token_ids, f"row {r}"
+        np.testing.assert_array_equal(res.kept_positions, alone.kept_positions)
+    return got
+
+
 @functools.cache
 def _load(folder, dtype="float32"):
     """rkvjax.load, once per (folder, dtype)."""

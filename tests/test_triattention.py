@@ -21,7 +21,7 @@ from rkvjax import compression as C
 from rkvjax.config import compression_config
 from tests.conftest import CALIBRATION_LENGTHS
 from tests.reference import triattention_numpy as ref
-from tests.test_policy import _full_qk, _load, _prompt
+from tests.test_policy import _full_qk, _load, _prompt, _waiting_rows_run
 from tests.test_sharding import sub_mesh
 
 W = 8
@@ -283,21 +283,10 @@ def test_decode_compressions_match_reference_with_waiting_rows(llama, stats_of):
     budget = 24
     lengths = (8, 9, 14, 30, 10, 10, 10, 10)
     prompts = [_prompt(n, seed=500 + i) for i, n in enumerate(lengths)]
-    params = [_greedy(56)] * len(prompts)
     cc = compression_config("triattention", budget, buffer=BUFFER, calibration=path)
-    eng = rkvjax.Engine(llama, slots=len(prompts), cache=cc, max_len=128, lanes=1, record_kept=True)
-    eng.submit_many(prompts, params)
-    got = sorted(eng.run(), key=lambda r: r.request_id)  # run() yields in finish order
-    assert eng.stats.stalled_row_steps > 0
-    alone = []
-    for p in prompts:
-        one = rkvjax.Engine(llama, slots=1, cache=cc, max_len=128, record_kept=True)
-        one.submit(p, params[0])
-        alone += one.run()
+    got = _waiting_rows_run(llama, cc, prompts, [_greedy(56)] * len(prompts))
     _, ks = _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, got, strict=True)], 96)
-    for r, (p, res, one) in enumerate(zip(prompts, got, alone, strict=True)):
-        assert res.token_ids == one.token_ids, f"row {r}"
-        np.testing.assert_array_equal(res.kept_positions, one.kept_positions)
+    for r, (p, res) in enumerate(zip(prompts, got, strict=True)):
         events = res.stats.compressions
         assert events >= 3
         want, decisive = _simulate_layer0(
