@@ -14,7 +14,13 @@ if TYPE_CHECKING:
     from rkvjax.api import generate, logits, score
     from rkvjax.config import CompressionConfig, ModelConfig, compression_config
     from rkvjax.loading import Model, load
-    from rkvjax.results import GenerationResult, GenerationStats, RunStats, ScoreResult
+    from rkvjax.results import (
+        GenerationResult,
+        GenerationStats,
+        RunStats,
+        ScoreResult,
+        StreamDelta,
+    )
     from rkvjax.runtime import Engine
     from rkvjax.sampling_params import SamplingParams
 
@@ -28,6 +34,7 @@ _HOMES = {
     "RunStats": "rkvjax.results",
     "SamplingParams": "rkvjax.sampling_params",
     "ScoreResult": "rkvjax.results",
+    "StreamDelta": "rkvjax.results",
     "compression_config": "rkvjax.config",
     "generate": "rkvjax.api",
     "load": "rkvjax.loading",
@@ -46,6 +53,7 @@ __all__ = [
     "RunStats",
     "SamplingParams",
     "ScoreResult",
+    "StreamDelta",
     "compression",
     "compression_config",
     "evaluation",

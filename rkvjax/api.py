@@ -134,8 +134,8 @@ def _stop_width(model: Model, params: list[SamplingParams]) -> int:
     return max(1, 1 << (max(most, 1) - 1).bit_length())
 
 
-def _cache_config(
-    model,
+def cache_config(
+    model: Model,
     *,
     prompt_len: int,
     max_new: int,
@@ -147,6 +147,8 @@ def _cache_config(
     pallas: bool | None = None,
     **kw,
 ) -> CompressionConfig:
+    """The engine's CompressionConfig from `generate`'s cache keywords: a fractional budget is
+    a fraction of prompt_len + max_new; think-only mode finds the end-of-thinking token."""
     return compression_config(
         method,
         budget,
@@ -186,7 +188,7 @@ def engine_for(
     program."""
     ids = [list(row) for row in prompt_ids]
     max_new = max(sp.max_tokens for sp in params)
-    cc = _cache_config(model, prompt_len=max(map(len, ids)), max_new=max_new, **cache)
+    cc = cache_config(model, prompt_len=max(map(len, ids)), max_new=max_new, **cache)
     samples = sum(sp.n for sp in params)
     penalties = any(sp.uses_penalties for sp in params)
     # FullKV holds the prompt bucket plus every new token but the last (never appended): the

@@ -1,6 +1,6 @@
 """Command line: `rkvjax generate "prompt" ...`, `rkvjax batch IN.jsonl OUT.jsonl ...`,
-`rkvjax eval DATA OUT_DIR ...`, `rkvjax merge OUT SHARDS...`, `rkvjax convert SRC DST` and
-`rkvjax calibrate DATA.jsonl OUT`."""
+`rkvjax eval DATA OUT_DIR ...`, `rkvjax merge OUT SHARDS...`, `rkvjax convert SRC DST`,
+`rkvjax calibrate DATA.jsonl OUT` and `rkvjax serve`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 
 from rkvjax import api, checks, defaults, evaluation, jobs, policies, requests, sharding, xla_flags
+from rkvjax import serve as serve_defaults
 from rkvjax.config import compression_config, method_names
 from rkvjax.sampling import SamplingParams
 
@@ -24,9 +25,11 @@ def _add_generation_args(
     *,
     sampling: dict | None = None,
     max_tokens_help: str = "(default: %(default)s)",
+    offline: bool = True,
 ) -> None:
     """The model, cache and sampling flags; `sampling` overrides the defaults of temperature,
-    top_p and max_new_tokens (their help shows the parser's own)."""
+    top_p and max_new_tokens (their help shows the parser's own); `offline`: with --no-chat
+    and --progress (a server has neither)."""
     shown = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": api.DEFAULT_MAX_NEW_TOKENS}
     shown.update(sampling or {})
     p.add_argument(
@@ -108,6 +111,8 @@ def _add_generation_args(
     s.add_argument(
         "--logprobs", type=int, default=None, metavar="N", help="record the top N logprobs"
     )
+    if not offline:
+        return
     p.add_argument(
         "--no-chat", action="store_true", help="send the raw text, without the chat template"
     )
@@ -257,7 +262,83 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="progress bar on stderr (default: when stderr is a terminal)",
     )
-    for p in (g, b, e, c, k):
+    v = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)",
+    )
+    _add_generation_args(
+        v,
+        n_help="samples per request when it gives no n",
+        sampling={"temperature": 1.0, "max_new_tokens": None},
+        max_tokens_help="when a request gives none (default: the rest of the context)",
+        offline=False,
+    )
+    v.set_defaults(seed=None)
+    v.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help=f"rows decoded at once (default: what memory allows, at most "
+        f"{serve_defaults.DEFAULT_SERVE_SLOTS})",
+    )
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    v.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    v.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: $RKVJAX_API_KEY, "
+        "else none)",
+    )
+    v.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` clients name (default: the model folder's or file's name)",
+    )
+    v.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + max_tokens at most per request (default: the model's positions)",
+    )
+    v.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=serve_defaults.DEFAULT_MAX_LOGPROBS,
+        help="the most top_logprobs a request may ask for (%(default)s)",
+    )
+    v.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="abort a request that runs longer (default: no limit)",
+    )
+    v.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=serve_defaults.DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused with 413 (%(default)s)",
+    )
+    v.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=serve_defaults.SHUTDOWN_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM, seconds running requests get to finish before they are aborted "
+        "(%(default)s)",
+    )
+    v.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="start at once; programs compile when the first requests need them",
+    )
+    v.add_argument(
+        "--no-narrow-tail",
+        action="store_true",
+        help="always decode every slot: skips compiling the narrower batches at start (faster "
+        "start-up, slower decoding while few requests run)",
+    )
+    for p in (g, b, e, c, k, v):
         _add_mesh_args(p)
     return parser
 
@@ -576,6 +657,65 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from rkvjax import serve
+
+    if jax.process_count() > 1:
+        raise ValueError("rkvjax serve runs in one process (a --mesh over its own devices)")
+    fields = _sampling(args)
+    if fields["max_tokens"] is None:  # the rest of each request's context
+        del fields["max_tokens"]
+    _checked_sampling(args, fields)
+    for name in ("port", "max_body_bytes", "shutdown_timeout"):
+        value = getattr(args, name)
+        low = 1 if name != "shutdown_timeout" else 0
+        if value < low or (name == "port" and value > 65535):
+            raise ValueError(f"--{name.replace('_', '-')} out of range: {value}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    model = _load(args)
+    engine, length = serve.serving_engine(
+        model,
+        cache=_cache(args),
+        slots=args.slots,
+        max_model_len=args.max_model_len,
+        max_logprobs=args.max_logprobs,
+        narrow_tail=not args.no_narrow_tail,
+    )
+    if fields.get("n", 1) > engine.slots:
+        raise ValueError(f"--n {fields['n']} is more than the {engine.slots} slots")
+    cc = engine.compression
+    policy = "FullKV" if not cc.compressing else f"{cc.method} budget {cc.budget}"
+    name = args.served_model_name or model.path.name
+    if not args.no_warmup:
+        print(
+            "[rkvjax] compiling: the decode chunk at every batch width and a first prefill "
+            "(kept in the compile cache for the next start) ...",
+            file=sys.stderr,
+        )
+        seconds = serve.warm_up(engine)
+        print(f"[rkvjax] warm-up done in {seconds:.1f} s", file=sys.stderr)
+    config = serve.ServeConfig(
+        model_name=name,
+        max_model_len=length,
+        defaults=fields,
+        api_key=args.api_key or os.environ.get("RKVJAX_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+    )
+    print(
+        f"[rkvjax] serving {name} ({model.config.arch}, {model.dtype.__name__}, {policy}, "
+        f"{engine.slots} slots, context {length}) on http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+    )
+    serve.serve(
+        engine, config, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout
+    )
+    return 0
+
+
 def _merge(args: argparse.Namespace) -> int:
     merged, lines = jobs.merge(args.output, args.shards)
     print(f"[rkvjax] merged {merged} shards, {lines} lines -> {args.output}", file=sys.stderr)
@@ -618,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
             "convert": _convert,
             "eval": _eval,
             "generate": _generate,
+            "serve": _serve,
         }
         run = commands[args.command]
         return run(args)

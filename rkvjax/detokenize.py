@@ -51,3 +51,49 @@ class StopWatcher:
                 tail = tail[len(tail) - keep :] if keep else ""
         self._tail, self._count = tail, count
         return None
+
+
+# transformers' clean-up removes the space of patterns up to four characters long (" n't").
+_CLEAN_UP_REACH = 3
+
+
+class TextStream:
+    """A generation's text as its tokens arrive, in pieces that concatenate to its final text.
+
+    Each token is decoded once (`Tokenizer.stream`). A piece holds back what may still change or
+    be cut: a character the next token completes, and the last `max(len(stop)) - 1` characters
+    (a stop string that begins there is not in the final text). For a tokenizer that cleans up
+    spaces before punctuation, a piece never ends within three characters after a space, so no
+    clean-up pattern straddles two pieces. The last piece is the final text less what was
+    handed out (`rest`).
+
+    Args:
+      tokenizer: the model's `Tokenizer`.
+      stop: the request's stop strings.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self._step = tokenizer.stream()
+        self._clean_up = tokenizer.clean_up if tokenizer.cleans_up else None
+        self._hold = max(map(len, stop)) - 1 if stop else 0
+        self._pending = ""  # decoded, not handed out
+        self._sent = 0  # characters handed out
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Appends tokens (Python ints); returns the text that may be handed out now."""
+        step = self._step
+        raw = self._pending + "".join(t for t in map(step, ids) if t)
+        cut = len(raw) - self._hold
+        if self._clean_up is not None and cut > 0:
+            space = raw.find(" ", max(0, cut - _CLEAN_UP_REACH), cut)
+            cut = space if space >= 0 else cut
+        cut = max(cut, 0)
+        out, self._pending = raw[:cut], raw[cut:]
+        if self._clean_up is not None:
+            out = self._clean_up(out)
+        self._sent += len(out)
+        return out
+
+    def rest(self, final_text: str) -> str:
+        """The final text's end, after everything handed out (which is its beginning)."""
+        return final_text[self._sent :]

@@ -58,6 +58,25 @@ class GenerationResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamDelta:
+    """What one streamed sample made since its last delta (`Engine.submit(..., stream=True)`,
+    `Engine.take_deltas`): its deltas' texts concatenate to its result's text, their token ids
+    (and logprobs) to its result's."""
+
+    request_id: Any
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # with logprobs=N, as in GenerationResult
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    result: GenerationResult | None = None  # the sample's result, on its last delta
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class ScoreResult:
     """Teacher-forced log-probabilities of a continuation under a cache policy."""
 
@@ -93,6 +112,8 @@ class RunStats:
     compile_s: float  # this engine's own compilation during the run
     tokens_per_s: float  # generated tokens / (wall_s - compile_s)
     compiled_programs: int = 0  # programs this engine compiled (its lifetime)
+    aborted: int = 0  # requests stopped by `Engine.abort` (their tokens are not counted)
+    decoded_tokens: int = 0  # tokens the rows made so far, running samples' included
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

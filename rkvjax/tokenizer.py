@@ -184,6 +184,17 @@ class Tokenizer:
         stream = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         return functools.partial(stream.step, self._backend)
 
+    @property
+    def cleans_up(self) -> bool:
+        """Whether `decode` removes spaces before punctuation (transformers'
+        clean_up_tokenization_spaces, which BPE tokenizers skip)."""
+        return self._clean_up
+
+    @staticmethod
+    def clean_up(text: str) -> str:
+        """The clean-up `decode` applies when `cleans_up`."""
+        return _clean_up(text)
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Token ids -> text. Invalid UTF-8 byte sequences decode to U+FFFD, as in transformers."""
         text = self._backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)

@@ -56,23 +56,23 @@ def is_batch_line(obj: Mapping[str, Any]) -> bool:
     return "custom_id" in obj or "body" in obj
 
 
-def _logprobs_field(body: Mapping[str, Any], kind: str, where: str) -> int | None:
+def _logprobs_field(body: Mapping[str, Any], kind: str, where: str, prefix: str) -> int | None:
     if kind == "completions":
         lp = body.get("logprobs")
         if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
-            raise ValueError(f"{where}: body `logprobs` must be an int >= 0, got {show(lp)}")
+            raise ValueError(f"{where}: {prefix}`logprobs` must be an int >= 0, got {show(lp)}")
         return lp
     want, top = body.get("logprobs", False), body.get("top_logprobs")
     if not isinstance(want, bool):
-        raise ValueError(f"{where}: body `logprobs` must be true or false, got {show(want)}")
+        raise ValueError(f"{where}: {prefix}`logprobs` must be true or false, got {show(want)}")
     if top is not None:
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(
-                f"{where}: body `top_logprobs` must be an int in [0, {MAX_TOP_LOGPROBS}], got "
+                f"{where}: {prefix}`top_logprobs` must be an int in [0, {MAX_TOP_LOGPROBS}], got "
                 f"{show(top)}"
             )
         if not want:
-            raise ValueError(f"{where}: body `top_logprobs` needs `logprobs: true`")
+            raise ValueError(f"{where}: {prefix}`top_logprobs` needs `logprobs: true`")
     return (top or 0) if want else None
 
 
@@ -98,20 +98,37 @@ def parse_line(obj: Mapping[str, Any], where: str) -> tuple[str, Any, dict[str, 
             f"{where}: `url` {show(url)} is not served; use {' or '.join(map(repr, ENDPOINTS))}"
         )
     kind = ENDPOINTS[url]
-    body = obj.get("body")
+    prompt, fields = parse_body(obj.get("body"), kind, where, prefix="body ")
+    return cid, prompt, fields, kind
+
+
+def parse_body(
+    body: Any, kind: str, where: str, *, extra: Sequence[str] = (), prefix: str = ""
+) -> tuple[Any, dict[str, Any]]:
+    """A request body of `kind` ("chat" or "completions") -> (prompt, SamplingParams fields).
+
+    Args:
+      body: the decoded JSON body.
+      where: how errors name the request.
+      extra: more fields the caller reads itself (a server's `stream`), allowed here.
+      prefix: how errors name a field: "body " for a batch line's body.
+    """
+    url = f"/v1/{'chat/' if kind == 'chat' else ''}completions"
     if not isinstance(body, dict):
-        raise ValueError(f"{where}: `body` must be a JSON object, got {show(body)}")
-    extra = [k for k in body if k not in BODY_FIELDS[kind]]
-    if extra:
+        name = f"`{prefix.strip()}`" if prefix else "the body"
+        raise ValueError(f"{where}: {name} must be a JSON object, got {show(body)}")
+    known = (*BODY_FIELDS[kind], *extra)
+    unknown_fields = [k for k in body if k not in known]
+    if unknown_fields:
         raise ValueError(
-            f"{where}: body field(s) {unknown(extra, BODY_FIELDS[kind])} not supported for {url} "
-            f"(supported: {', '.join(BODY_FIELDS[kind])})"
+            f"{where}: {prefix}field(s) {unknown(unknown_fields, known)} not supported for "
+            f"{url} (supported: {', '.join(known)})"
         )
     if "model" in body and not isinstance(body["model"], str):
-        raise ValueError(f"{where}: body `model` must be a string, got {show(body['model'])}")
+        raise ValueError(f"{where}: {prefix}`model` must be a string, got {show(body['model'])}")
     if kind == "chat":
         if "messages" not in body:
-            raise ValueError(f"{where}: a {url} body needs `messages`")
+            raise ValueError(f"{where}: a {url} {prefix or 'request '}needs `messages`")
         requests.check_messages(body["messages"], where, field="messages")
         prompt = body["messages"]
     else:
@@ -121,19 +138,19 @@ def parse_line(obj: Mapping[str, Any], where: str) -> tuple[str, Any, dict[str, 
         )
         if not ((isinstance(prompt, str) or ids) and prompt):
             raise ValueError(
-                f"{where}: a {url} body needs `prompt`: a non-empty string or list of token "
-                f"ids, got {show(prompt)}"
+                f"{where}: a {url} {prefix or 'request '}needs `prompt`: a non-empty string or "
+                f"list of token ids, got {show(prompt)}"
             )
     fields = {k: body[k] for k in _SAME if k in body}
     if "max_tokens" in body and "max_completion_tokens" in body:
-        raise ValueError(f"{where}: body has `max_tokens` and `max_completion_tokens`; give one")
+        raise ValueError(f"{where}: {prefix}has `max_tokens` and `max_completion_tokens`; give one")
     for k in ("max_tokens", "max_completion_tokens"):
         if k in body:
             fields["max_tokens"] = body[k]
-    lp = _logprobs_field(body, kind, where)
+    lp = _logprobs_field(body, kind, where, prefix)
     if lp is not None:
         fields["logprobs"] = lp
-    return cid, prompt, fields, kind
+    return prompt, fields
 
 
 def _hex(*parts: Any) -> str:
@@ -144,7 +161,8 @@ def _token_entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def _chat_logprobs(sample: Mapping[str, Any], token_text: Callable[[int], str]):
+def chat_logprobs(sample: Mapping[str, Any], token_text: Callable[[int], str]):
+    """A chat choice's `logprobs` from a sample's `token_ids`, `logprobs`, `top_logprobs`."""
     content = []
     for t, lp, top in zip(
         sample["token_ids"], sample["logprobs"], sample["top_logprobs"], strict=True
@@ -155,9 +173,12 @@ def _chat_logprobs(sample: Mapping[str, Any], token_text: Callable[[int], str]):
     return {"content": content}
 
 
-def _completion_logprobs(sample: Mapping[str, Any], token_text: Callable[[int], str]):
+def completion_logprobs(
+    sample: Mapping[str, Any], token_text: Callable[[int], str], offset: int = 0
+):
+    """A completion choice's `logprobs`; `offset`: the text before these tokens (a stream)."""
     tokens = [token_text(t) for t in sample["token_ids"]]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
@@ -166,6 +187,51 @@ def _completion_logprobs(sample: Mapping[str, Any], token_text: Callable[[int], 
         "token_logprobs": sample["logprobs"],
         "top_logprobs": [{token_text(i): v for i, v in top} for top in sample["top_logprobs"]],
         "text_offset": offsets,
+    }
+
+
+def choice(sample: Mapping[str, Any], *, chat: bool, token_text: Callable[[int], str]):
+    """One sample (a record of `run.sample_record`) as a choice of a response body."""
+    out: dict[str, Any] = {"index": sample["sample_index"]}
+    if chat:
+        out["message"] = {"role": "assistant", "content": sample["text"]}
+    else:
+        out["text"] = sample["text"]
+    if "logprobs" in sample:
+        out["logprobs"] = (chat_logprobs if chat else completion_logprobs)(sample, token_text)
+    else:
+        out["logprobs"] = None
+    out["finish_reason"] = sample["finish_reason"]
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    chat: bool,
+    body_id: str,
+    model_name: str,
+    token_text: Callable[[int], str],
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A chat.completion (or text_completion) object with every sample as a choice, in
+    sample order, and the token usage."""
+    ordered = sorted(samples, key=lambda s: s["sample_index"])
+    return {
+        "id": body_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model_name,
+        "choices": [choice(s, chat=chat, token_text=token_text) for s in ordered],
+        "usage": usage(samples[0]["prompt_tokens"], sum(s["completion_tokens"] for s in samples)),
     }
 
 
@@ -180,34 +246,14 @@ def response_line(
     """The output line of one request, its samples (records of `run.sample_record`) as the
     choices of one chat.completion (or text_completion) body."""
     chat = request.openai == "chat"
-    choices = []
-    for s in sorted(samples, key=lambda s: s["sample_index"]):
-        choice: dict[str, Any] = {"index": s["sample_index"]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": s["text"]}
-        else:
-            choice["text"] = s["text"]
-        if "logprobs" in s:
-            to = _chat_logprobs if chat else _completion_logprobs
-            choice["logprobs"] = to(s, token_text)
-        else:
-            choice["logprobs"] = None
-        choice["finish_reason"] = s["finish_reason"]
-        choices.append(choice)
-    prompt_tokens = samples[0]["prompt_tokens"]
-    completion = sum(s["completion_tokens"] for s in samples)
-    body = {
-        "id": ("chatcmpl-" if chat else "cmpl-") + _hex("body", request.id),
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model_name,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        },
-    }
+    body = completion_body(
+        samples,
+        chat=chat,
+        body_id=("chatcmpl-" if chat else "cmpl-") + _hex("body", request.id),
+        model_name=model_name,
+        token_text=token_text,
+        created=created,
+    )
     return {
         "id": "batch_req_" + _hex("line", request.id),
         "custom_id": request.id,

@@ -24,10 +24,10 @@ import numpy as np
 
 from rkvjax import policy, programs, requests
 from rkvjax.config import CompressionConfig
-from rkvjax.detokenize import StopWatcher
+from rkvjax.detokenize import StopWatcher, TextStream
 from rkvjax.kernels import tuning
 from rkvjax.loading import Model
-from rkvjax.results import GenerationResult, RunStats, ScoreResult
+from rkvjax.results import GenerationResult, RunStats, ScoreResult, StreamDelta
 from rkvjax.runtime.executor import Executor, Inserted
 from rkvjax.runtime.outputs import Outcome, OutputProcessor, RunInfo
 from rkvjax.runtime.samples import Sample
@@ -227,6 +227,7 @@ class Engine:
         self._t0: float | None = None
         self._compile0 = 0.0
         self._live: dict[Any, int] = {}  # id of each request queued or running -> samples left
+        self._deltas: list[StreamDelta] = []  # streamed samples' output not yet taken
         self._next_id = 0  # default request ids: a running number, skipping ids in use
 
     # -- requests -------------------------------------------------------------------------
@@ -238,6 +239,7 @@ class Engine:
         *,
         request_id: Any = None,
         continuation: Sequence[int] | None = None,
+        stream: bool = False,
     ) -> Any:
         """Queues a request; returns its id (default: a running number).
 
@@ -246,16 +248,26 @@ class Engine:
           sampling: SamplingParams (default: greedy with the defaults' max_tokens).
           request_id: any hashable id, reported back in the results.
           continuation: teacher mode: the token ids to score after the prompt.
+          stream: hand out each sample's new tokens and text after every chunk
+            (`take_deltas`), besides its result when it finishes.
 
         Raises:
           ValueError: naming the request, for anything this engine cannot run as asked.
         """
         return self.submit_many(
-            [prompt], [sampling], ids=[request_id], continuations=[continuation]
+            [prompt], [sampling], ids=[request_id], continuations=[continuation], stream=stream
         )[0]
 
     def submit_many(
-        self, prompts, sampling=None, *, ids=None, continuations=None, samples=None, where=None
+        self,
+        prompts,
+        sampling=None,
+        *,
+        ids=None,
+        continuations=None,
+        samples=None,
+        where=None,
+        stream: bool = False,
     ) -> list:
         """`submit` for several requests at once, all validated before any is queued.
 
@@ -269,6 +281,7 @@ class Engine:
             only those of its n samples (None entries: all n). A sample's tokens depend only on
             its seed and index, so a resumed job runs just the samples it lacks.
           where: how errors name each prompt (default "request <id>").
+          stream: as in `submit`, for every request.
 
         Returns:
           The request ids.
@@ -320,17 +333,49 @@ class Engine:
             indices.append(_sample_indices(subset, prompt.sampling.n, rid))
         seeds = _draw_seeds(sum(r.sampling.seed is None for r in made))
         now, comp = time.perf_counter(), self.executor.compile.seconds
+        if stream and any(r.continuation is not None for r in made):
+            raise ValueError("a scoring request (a continuation) cannot stream")
+        if stream and self.model.tokenizer is None:
+            raise ValueError("streaming needs the model's tokenizer (for the text)")
         for r, idx in zip(made, indices, strict=True):
             if r.sampling.seed is None:
                 r = dataclasses.replace(r, sampling=r.sampling.replace(seed=seeds.pop()))
-            self.scheduler.add([Sample(r, j, now, comp, self._watcher(r)) for j in idx])
+            self.scheduler.add([self._sample(r, j, now, comp, stream) for j in idx])
         self._counters["submitted"] += n
         self._counters["samples"] += sum(map(len, indices))
         self._live.update((r.id, len(idx)) for r, idx in zip(made, indices, strict=True))
         return [r.id for r in made]
 
-    def _watcher(self, r: requests.Request) -> StopWatcher | None:
-        return StopWatcher(self.model.tokenizer, r.sampling.stop) if r.sampling.stop else None
+    def _sample(self, r: requests.Request, index: int, now: float, comp: float, stream: bool):
+        tok, stop = self.model.tokenizer, r.sampling.stop
+        watcher = StopWatcher(tok, stop) if stop else None
+        text = TextStream(tok, stop) if stream else None
+        return Sample(r, index, now, comp, watcher, text)
+
+    def abort(self, request_id: Any) -> int:
+        """Stops a request: its samples waiting for rows leave the queue, and its running
+        samples' rows are freed now (the chunk in flight still decodes them; their tokens are
+        dropped). Aborted samples have no results or deltas. Returns how many samples it
+        stopped: 0 for an id that is not queued or running (finished, or never submitted)."""
+        if request_id not in self._live:
+            return 0
+        queued, running, groups = self.scheduler.abort(request_id)
+        for group in groups:
+            self.executor.drop_group(group)
+        rows = self.scheduler.take_release()
+        if rows:
+            with self.executor.running():
+                self.executor.release(rows)
+        del self._live[request_id]
+        self._counters["aborted"] += 1
+        self._counters["aborted_samples"] += len(queued) + len(running)
+        return len(queued) + len(running)
+
+    def take_deltas(self) -> list[StreamDelta]:
+        """The streamed samples' new tokens and text since the last call, in the order they
+        came; a sample's last delta carries its result (which `step` also returns)."""
+        out, self._deltas = self._deltas, []
+        return out
 
     def prepare(
         self,
@@ -454,12 +499,16 @@ class Engine:
         c["busy"] += outcome.busy
         c["fired"] += outcome.fired
         c["stalled"] += outcome.stalled
+        c["decoded"] += outcome.tokens
+        self._deltas += [self.outputs.delta(s) for s in outcome.streamed]
         if not outcome.finished:
             return []
         run = self._run_info()
         done = []
         for s, running in outcome.finished:
             done.append(self.outputs.result(s, run))
+            if s.text is not None:
+                self._deltas.append(self.outputs.delta(s, done[-1]))
             self.scheduler.free(s, running=running)
             c["generated"] += len(s.tokens)
             rid = s.request.id
@@ -480,6 +529,27 @@ class Engine:
             tokens_per_s=st.tokens_per_s,
             compile_s=st.compile_s,
         )
+
+    def warm_widths(self) -> list[int]:
+        """Compiles the programs of every width the state may narrow or widen to (run on
+        empty rows), so a server's requests never wait on one when its load changes; only
+        the full width without `narrow_tail`. Before any request. Returns the widths."""
+        if self.scheduler.has_work or self._events:
+            raise RuntimeError("warm_widths runs before any request")
+        if not self.scheduler.cfg.narrow_tail:
+            return [self.slots]
+        with self.executor.running():
+            return self.executor.warm_widths()
+
+    def reset_stats(self) -> None:
+        """Starts the counters of `stats` afresh (a server after its warm-up); compiled
+        programs stay. Only between runs: nothing may wait or run."""
+        if self.has_work:
+            raise RuntimeError("reset_stats needs an idle engine: requests wait or run")
+        self._counters.clear()
+        self._t0 = None
+        self.scheduler.counts.clear()
+        self.scheduler.peak_busy = 0
 
     # -- sizing and benchmarks -------------------------------------------------------------
 
@@ -557,6 +627,8 @@ class Engine:
             compile_s=compile_s,
             tokens_per_s=gen / busy_s if wall else 0.0,
             compiled_programs=self.executor.compile.programs,
+            aborted=c["aborted"],
+            decoded_tokens=c["decoded"],
         )
 
     def _update_bar(self, finished: list) -> None:

@@ -212,6 +212,10 @@ class Executor:
         _start_copies(out)
         return out
 
+    def drop_group(self, group: int) -> None:
+        """Forgets a prefilled group whose waiting samples were aborted."""
+        self._groups.pop(group, None)
+
     def new_rows(self, samples: tuple[Sample, ...], rows: int) -> programs.NewRows:
         """The per-row values of an insert, as NumPy, padded to `rows` rows."""
         stop = np.full((rows, self.stop_width), -1, np.int32)
@@ -268,6 +272,28 @@ class Executor:
             wide = self.empty_state(resize.width)
             self.state = programs.put_rows(wide, self.state, rows, plan=plan)
         self.width = resize.width
+
+    def warm_widths(self) -> list[int]:
+        """Runs, on empty rows, the programs of every width the state can narrow or widen to:
+        the decode chunk and the release at each, and the row moves between each two, so that
+        a change of load never waits on a compilation (a server calls it at start). Returns
+        the widths. Only before any request: the state is left empty at full width."""
+        d = self.model.data_shards
+        per = self.slots // d
+        # `Scheduler.narrow` and `_widen`: a power of two rows per data shard, or all of them.
+        ladder = sorted({min(1 << k, per) for k in range(per.bit_length() + 1)})
+        for w in ladder:
+            self.state, self.width = self.empty_state(w * d), w * d
+            jax.block_until_ready(self.dispatch(self.slots + 1))
+            self.release([])
+            for narrow in (v for v in ladder if v < w):
+                self.state, self.width = self.empty_state(w * d), w * d
+                self.resize(Resize("narrow", narrow * d, tuple(range(narrow)) * d))
+                self.state, self.width = self.empty_state(narrow * d), narrow * d
+                self.resize(Resize("widen", w * d, tuple(range(narrow)) * d))
+        jax.block_until_ready(self.state)
+        self.state, self.width = self.empty_state(), self.slots
+        return [w * d for w in ladder]
 
     @staticmethod
     def fetch(tree: Any) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 
 from rkvjax import programs
 from rkvjax.detokenize import find_stop
-from rkvjax.results import GenerationResult, GenerationStats, ScoreResult
+from rkvjax.results import GenerationResult, GenerationStats, ScoreResult, StreamDelta
 from rkvjax.runtime.samples import Sample
 
 
@@ -40,6 +40,8 @@ class Outcome:
     """What the host learnt from one device output."""
 
     finished: list[tuple[Sample, bool]]  # (sample, the device still runs its row)
+    streamed: list[Sample] = dataclasses.field(default_factory=list)  # unfinished, new tokens
+    tokens: int = 0  # tokens the samples took
     steps: int = 0  # decode steps (chunks only)
     row_steps: int = 0  # rows decoded x steps
     busy: int = 0  # active row-steps
@@ -66,19 +68,23 @@ class OutputProcessor:
         """An insert's first tokens (fetched), for `samples` in its row order; `kept` [k, L, K,
         budget] what the group's prefill compression kept (recorded runs); `now` and
         `compile_s` the engine's clock and compile seconds, for the time to first token."""
-        finished = []
+        finished, streamed, taken = [], [], 0
         for r, s in enumerate(samples):
+            if s.finished:  # aborted while its insert ran
+                continue
             s.ttft = (now - s.submitted) - (compile_s - s.compile_at_submit)
             s.compressions = int(out.compressions[r])
             s.peak = int(out.peak[r])
             if kept is not None and s.compressions:
                 s.kept.append(kept[src[r]])
-            self._take(s, out, r)
+            taken += self._take(s, out, r)
             if not out.active[r] and not s.finished:
                 self._finish(s, out, r)
             if s.finished:
                 finished.append((s, bool(out.active[r])))
-        return Outcome(finished)
+            elif s.text is not None and s.tokens:
+                streamed.append(s)
+        return Outcome(finished, streamed, taken)
 
     def chunk(self, out: programs.Tokens, owners: list[Sample | None]) -> Outcome:
         """A decode chunk (fetched), whose rows held `owners` when it was dispatched."""
@@ -86,10 +92,11 @@ class OutputProcessor:
         live = [s is not None and not s.finished for s in owners]  # before this chunk's tokens
         rows = np.flatnonzero(live).tolist()
         peak, stalls = out.peak.tolist(), out.stalls.tolist()
+        taken = 0
         for b in rows:  # a row waiting for a lane makes no token, but its counters move
             s = owners[b]
             s.peak, s.stalls = peak[b], stalls[b]
-            self._take(s, out, b)
+            taken += self._take(s, out, b)
         for t, lane in zip(*np.nonzero(out.kept_rows[:steps] < len(owners)), strict=True):
             row = int(out.kept_rows[t, lane])  # compressions in step order
             # A row cut by a stop string may compress again before the device stops it: only
@@ -98,15 +105,19 @@ class OutputProcessor:
                 owners[row].compressions += 1
                 if out.kept.shape[1]:
                     owners[row].kept.append(out.kept[t, lane])
-        finished = []
+        finished, streamed = [], []
         for b in rows:
             s = owners[b]
             if not out.active[b] and not s.finished:
                 self._finish(s, out, b)
             if s.finished:
                 finished.append((s, bool(out.active[b])))
+            elif s.text is not None and len(s.tokens) > s.sent:
+                streamed.append(s)
         return Outcome(
             finished,
+            streamed,
+            taken,
             steps=steps,
             row_steps=steps * len(owners),
             busy=int(out.busy),
@@ -114,11 +125,12 @@ class OutputProcessor:
             stalled=int(out.stalled),
         )
 
-    def _take(self, s: Sample, out: programs.Tokens, b: int) -> None:
-        """Appends row b's new tokens to sample s, ending it at a stop string."""
+    def _take(self, s: Sample, out: programs.Tokens, b: int) -> int:
+        """Appends row b's new tokens to sample s, ending it at a stop string; returns how
+        many it took."""
         n = int(out.count[b])
         if not n:
-            return
+            return 0
         new = out.tokens[b, :n].tolist()
         cut = s.watcher.push(new) if s.watcher is not None else None
         if cut is not None:  # a stop string ends the sample at its token number `cut`
@@ -127,6 +139,8 @@ class OutputProcessor:
             # Not the row's: it ran on until the device stopped it.
             s.peak, s.stalls = int(out.peak_at[b, n - 1]), int(out.stalls_at[b, n - 1])
         s.tokens += new
+        if s.text is not None and cut is None:  # else its last delta takes the result's text
+            s.unsent += s.text.push(new)
         if out.logprob.shape[1]:
             s.logprobs += out.logprob[b, :n].tolist()
         want = s.request.sampling.logprobs
@@ -139,6 +153,7 @@ class OutputProcessor:
             s.dists.append(out.dists[b, :n])
         if cut is not None:
             s.reason = "stop"
+        return n
 
     @staticmethod
     def _finish(s: Sample, out: programs.Tokens, b: int) -> None:
@@ -147,6 +162,28 @@ class OutputProcessor:
         r = s.request
         by_token = r.continuation is None and bool(s.tokens) and s.tokens[-1] in r.stop_ids
         s.reason = "stop" if by_token else "length"
+
+    def delta(self, s: Sample, result: GenerationResult | None = None) -> StreamDelta:
+        """A streamed sample's tokens and text since its last delta; with its `result`, the
+        last one (the text completed to the result's)."""
+        text = s.unsent if result is None else s.unsent + s.text.rest(result.text)
+        s.unsent = ""
+        new = s.tokens[s.sent :]
+        logprobs = top = None
+        if s.request.sampling.logprobs is not None:
+            logprobs = s.logprobs[s.sent :]
+            top = _pairs(s.top_ids[s.sent_tops :], s.top_logprobs[s.sent_tops :])
+            s.sent_tops = len(s.top_ids)
+        s.sent = len(s.tokens)
+        return StreamDelta(
+            request_id=s.request.id,
+            sample_index=s.index,
+            text=text,
+            token_ids=new,
+            logprobs=logprobs,
+            top_logprobs=top,
+            result=result,
+        )
 
     def result(self, s: Sample, run: RunInfo) -> GenerationResult | ScoreResult:
         """A finished sample's result."""

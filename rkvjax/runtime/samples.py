@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from rkvjax.detokenize import StopWatcher
+from rkvjax.detokenize import StopWatcher, TextStream
 from rkvjax.requests import Request
 
 
@@ -23,6 +23,7 @@ class Sample:
     submitted: float  # perf_counter at submission
     compile_at_submit: float  # the engine's compile seconds then (time to first token less them)
     watcher: StopWatcher | None  # stop strings, when the request has them
+    text: TextStream | None = None  # a streamed sample's text as it comes (`StreamDelta`)
     row: int | None = None  # its row of the device state while it has one (the scheduler's)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -35,7 +36,10 @@ class Sample:
     peak: int = 0
     stalls: int = 0
     ttft: float | None = None
-    reason: str | None = None  # set once finished
+    reason: str | None = None  # set once finished ("abort": `Engine.abort`)
+    unsent: str = ""  # streamed text not yet in a delta
+    sent: int = 0  # tokens in deltas so far
+    sent_tops: int = 0  # blocks of top_ids / top_logprobs in deltas so far
 
     @property
     def finished(self) -> bool:

@@ -291,6 +291,28 @@ class Scheduler:
         if running:
             self._release.add(row)
 
+    def abort(self, request_id) -> tuple[list[Sample], list[Sample], list[int]]:
+        """Takes a request's samples out, each finished with reason "abort": those queued
+        leave the queue, those in rows free them (released on the device before reuse, as
+        for a stop string). Returns (queued samples, running samples, the prefilled groups no
+        sample waits on any more)."""
+        queued, groups = [], []
+        kept: collections.deque[Pending] = collections.deque()
+        for p in self.queue:  # a request's samples are one entry, never empty
+            if p.samples[0].request.id != request_id:
+                kept.append(p)
+                continue
+            queued += p.samples
+            if p.group is not None:
+                groups.append(p.group)
+        self.queue = kept
+        running = [s for s in self.owner if s is not None and s.request.id == request_id]
+        for s in queued + running:
+            s.reason = "abort"
+        for s in running:
+            self.free(s, running=True)
+        return queued, running, groups
+
     def take_release(self) -> list[int]:
         """The rows to stop on the device: freed while running and not refilled since (an
         insert overwrites a row's state anyway)."""

@@ -1,0 +1,51 @@
+"""`rkvjax serve`: an OpenAI-compatible HTTP server on the slot runtime.
+
+One model and one cache policy, chosen at start, behind `/v1/chat/completions`,
+`/v1/completions`, `/v1/models`, `/health` and `/metrics` (`app`). One thread owns the
+`Engine` (`worker`); the HTTP handlers (Starlette under uvicorn) check requests, hand them to
+it and stream its deltas back (`protocol`). `serving_engine` builds the engine a server runs,
+`build_app` the ASGI app around it, and `serve` runs both until SIGTERM or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rkvjax.serve.app import ServeConfig, build_app
+    from rkvjax.serve.server import serve, serving_engine, warm_up
+
+# The command line reads these without loading the HTTP stack.
+DEFAULT_SERVE_SLOTS = 32  # at most, when memory allows (`api.default_slots`)
+DEFAULT_MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+SHUTDOWN_TIMEOUT_S = 30  # SIGTERM: seconds running requests get to finish
+
+_HOMES = {
+    "ServeConfig": "rkvjax.serve.app",
+    "build_app": "rkvjax.serve.app",
+    "serve": "rkvjax.serve.server",
+    "serving_engine": "rkvjax.serve.server",
+    "warm_up": "rkvjax.serve.server",
+}
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_LOGPROBS",
+    "DEFAULT_SERVE_SLOTS",
+    "SHUTDOWN_TIMEOUT_S",
+    "ServeConfig",
+    "build_app",
+    "serve",
+    "serving_engine",
+    "warm_up",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'rkvjax.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,142 @@
+"""Running a server: the engine it drives (`serving_engine`), its warm-up, and uvicorn
+(`serve`)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rkvjax import api, runtime
+from rkvjax.sampling_params import SamplingParams
+from rkvjax.serve import DEFAULT_MAX_LOGPROBS, DEFAULT_SERVE_SLOTS, SHUTDOWN_TIMEOUT_S
+from rkvjax.serve.app import ServeConfig, build_app
+
+
+def serving_engine(
+    model: api.Model,
+    *,
+    cache: Mapping[str, Any],
+    slots: int | None = None,
+    max_model_len: int | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    chunk: int = runtime.DEFAULT_CHUNK,
+    narrow_tail: bool = True,
+) -> tuple[runtime.Engine, int]:
+    """The engine a server runs, and its context length (prompt + max_tokens at most).
+
+    Any request must fit, so the engine allows what a request may ask: penalties, up to
+    `max_logprobs` logprobs, and for FullKV a cache of `max_model_len` tokens per slot.
+
+    Args:
+      model: from `rkvjax.load`.
+      cache: `generate`'s cache keywords (method, budget, buffer, ...); a fractional budget is
+        a fraction of the context.
+      slots: rows decoded together (default: DEFAULT_SERVE_SLOTS, fewer when memory is short).
+      max_model_len: the context (default: the model's positions).
+      max_logprobs: the most `logprobs` / `top_logprobs` a request may ask for (0: none).
+    """
+    positions = model.config.max_positions
+    length = positions if max_model_len is None else max_model_len
+    if isinstance(length, bool) or not isinstance(length, int) or not 2 <= length <= positions:
+        raise ValueError(
+            f"max_model_len must be an int in [2, {positions}] (the model's positions), got "
+            f"{max_model_len!r}"
+        )
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
+    cc = api.cache_config(model, prompt_len=length, max_new=0, **cache)
+    capacity = cc.capacity if cc.compressing else length - 1
+    if slots is None:
+        window = cc.window if cc.compressing else 0
+        slots = api.default_slots(
+            model, DEFAULT_SERVE_SLOTS, capacity, window, True, cc.state is not None
+        )
+    engine = runtime.Engine(
+        model,
+        slots=slots,
+        cache=cc,
+        max_len=None if cc.compressing else capacity,
+        chunk=chunk,
+        logprobs=min(max_logprobs, model.config.vocab_size) or None,
+        penalties=True,
+        narrow_tail=narrow_tail,
+    )
+    return engine, length
+
+
+UVICORN_MARGIN_S = 10  # uvicorn cuts what still runs this long after our own grace period
+WARM_UP_PROMPT = "Say hello to the people of the world, in one short and friendly sentence."
+
+
+def warm_up(engine: runtime.Engine) -> float:
+    """Compiles the engine's programs, so that clients do not wait on them: the decode chunk
+    and row moves of every width the batch narrows to (`Engine.warm_widths`), then a short
+    request's prefill and insert (a prompt of another length bucket still compiles its own
+    on first use). Starts the counters afresh. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    engine.warm_widths()
+    tok = engine.model.tokenizer
+    # At least a compression window's tokens, with or without a chat template.
+    prompt = WARM_UP_PROMPT if tok is not None else list(range(1, 17))
+    engine.submit(
+        prompt, SamplingParams(temperature=0.0, max_tokens=engine.chunk + 1), request_id="warmup"
+    )
+    engine.run()
+    engine.reset_stats()
+    return time.perf_counter() - t0
+
+
+def serve(
+    engine: runtime.Engine,
+    config: ServeConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: int = SHUTDOWN_TIMEOUT_S,
+    log_level: str = "info",
+) -> None:
+    """Serves `engine` over HTTP until SIGTERM or Ctrl-C.
+
+    SIGTERM stops admitting (the listening socket closes), gives running requests up to
+    `shutdown_timeout` seconds to finish, aborts the rest and returns; Ctrl-C the same, then
+    KeyboardInterrupt.
+    """
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="[rkvjax] %(message)s", stream=sys.stderr)
+    app = build_app(engine, config)
+    state = app.state.server
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Our own grace period first, so that uvicorn never has to cancel a response.
+            state.shut_down(shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=shutdown_timeout + UVICORN_MARGIN_S,
+            lifespan="on",
+        )
+    )
+    # uvicorn raises a signal it handled again once it has shut down; SIGTERM's default
+    # action would then end the process with a signal status instead of a clean exit.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    try:
+        server.run()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        raise ValueError(f"could not serve on {host}:{port} (see the log above)")

@@ -1,0 +1,390 @@
+"""`rkvjax serve` as a client sees it: a real server process on a loopback port, driven with
+OpenAI's own Python client (and raw HTTP where a client would refuse to send the request).
+
+Greedy answers are checked token for token against `rkvjax.generate` of the same input with the
+same cache policy; the server's engine is compressing (R-KV, budget 48) so compressions fire.
+The server starts once for the file (loading and compiling take most of its time); the last
+test stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import rkvjax
+
+pytestmark = pytest.mark.slow
+
+openai = pytest.importorskip("openai")
+
+NAME = "smol-served"
+KEY = "test-key-123"
+SLOTS = 8
+CACHE = {"method": "rkv", "budget": 48, "buffer": 16}
+MAX_BODY = 200_000
+START_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log):
+        self.proc, self.port, self.log = proc, port, log
+        self.base = f"http://127.0.0.1:{port}"
+
+    def client(self, key: str = KEY):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=300)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, by name."""
+        status, body = self.get("/metrics")
+        assert status == 200
+        out = {}
+        for line in body.decode().splitlines():
+            m = re.fullmatch(r"(rkvjax_[a-z_]+) (\S+)", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def post(self, path: str, body: bytes, headers: dict | None = None):
+        """A raw POST -> (status, decoded JSON body)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        try:
+            hdrs = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+            hdrs.update(headers or {})
+            hdrs = {k: v for k, v in hdrs.items() if v is not None}
+            conn.request("POST", path, body=body, headers=hdrs)
+            r = conn.getresponse()
+            return r.status, json.loads(r.read() or b"null")
+        finally:
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def server(smol_dir, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "rkvjax.cli", "serve", "--model", str(smol_dir)]
+    cmd += ["--dtype", "float32", "--method", CACHE["method"], "--budget", str(CACHE["budget"])]
+    cmd += ["--buffer", str(CACHE["buffer"]), "--slots", str(SLOTS), "--port", str(port)]
+    cmd += ["--api-key", KEY, "--served-model-name", NAME, "--max-body-bytes", str(MAX_BODY)]
+    cmd += ["--shutdown-timeout", "5"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    srv = Server(proc, port, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()}")
+        with contextlib.suppress(OSError):
+            if srv.get("/health")[0] == 200:
+                break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
+        time.sleep(0.5)
+    yield srv
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+def _chat(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def _alone(smol, prompts, max_tokens, *, chat: bool, stop=None):
+    """Each greedy request run alone (one slot) with the server's cache policy."""
+    params = [rkvjax.SamplingParams(temperature=0.0, max_tokens=m, stop=stop or []) for m in max_tokens]
+    return rkvjax.generate(
+        smol, prompts, sampling=params, slots=1, chat=None if chat else False, **CACHE
+    )
+
+
+def _token_texts(smol, ids) -> list[str]:
+    return [smol.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def test_models_health_and_metrics_routes(server):
+    assert server.get("/health") == (200, b'{"status":"ok"}')
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    names = server.metrics()
+    for name in ("requests_waiting", "requests_running", "slots_busy", "slots",
+                 "generation_tokens_total", "generation_tokens_per_second", "compressions_total",
+                 "stalled_row_steps_total", "time_to_first_token_seconds_count"):  # fmt: skip
+        assert f"rkvjax_{name}" in names
+    assert names["rkvjax_slots"] == SLOTS
+
+
+def test_greedy_chat_and_completion_equal_generate(server, smol):
+    client = server.client()
+    question = "Name three primary colors."
+    chat = client.chat.completions.create(
+        model=NAME, messages=_chat(question), max_tokens=40, temperature=0, logprobs=True
+    )
+    text = "The three primary colors of light are red, green and blue, and of paint they are"
+    completion = client.completions.create(
+        model=NAME, prompt=text, max_tokens=70, temperature=0, logprobs=1
+    )
+    want_chat, want_text = _alone(smol, [_chat(question)], [40], chat=True)[0], None
+    want_text = _alone(smol, [text], [70], chat=False)[0]
+
+    got = chat.choices[0]
+    assert got.message.content == want_chat.text
+    assert [e.token for e in got.logprobs.content] == _token_texts(smol, want_chat.token_ids)
+    assert chat.usage.completion_tokens == len(want_chat.token_ids)
+    assert chat.usage.prompt_tokens == len(want_chat.prompt_token_ids)
+    assert got.finish_reason == want_chat.finish_reason
+    assert got.model_extra["rkvjax"]["compressions"] == want_chat.stats.compressions
+
+    got = completion.choices[0]
+    assert got.text == want_text.text
+    assert got.logprobs.tokens == _token_texts(smol, want_text.token_ids)
+    assert completion.usage.completion_tokens == len(want_text.token_ids)
+    assert want_text.stats.compressions > 0  # the cache compressed while it decoded
+    assert got.model_extra["rkvjax"]["compressions"] == want_text.stats.compressions
+
+
+def test_stream_concatenates_to_the_same_text_and_starts_early(server):
+    client = server.client()
+    kw = dict(model=NAME, messages=_chat("Tell me a long story about a lighthouse keeper."),
+              max_tokens=160, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    pieces, running_at_first, usage, finish = [], None, None, None
+    stream = client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        delta = chunk.choices[0].delta.content
+        if delta and running_at_first is None:
+            # The request is still in a slot when its first text arrives.
+            running_at_first = server.metrics()["rkvjax_requests_running"]
+        pieces.append(delta or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert len([p for p in pieces if p]) > 2
+    assert running_at_first == 1
+    assert finish == "length"
+    assert usage.completion_tokens == whole.usage.completion_tokens == 160
+
+
+def test_stream_n_samples_and_stop_strings(server, smol):
+    client = server.client()
+    text = "Count from one to twenty in words, separated by commas: one, two, three,"
+    alone = _alone(smol, [text], [60], chat=False)[0]
+    cut = alone.text.find(",", len(alone.text) // 2)
+    stop = alone.text[cut - 3 : cut + 1]  # a stop string the greedy answer reaches
+    want = _alone(smol, [text], [60], chat=False, stop=[stop])[0]
+    texts = {0: "", 1: ""}
+    finish = {}
+    stream = client.completions.create(
+        model=NAME, prompt=text, max_tokens=60, temperature=0, n=2, stop=[stop], stream=True
+    )
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            assert stop not in texts[c.index]
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert texts == {0: want.text, 1: want.text}
+    assert finish == {0: "stop", 1: "stop"}
+
+
+def test_32_concurrent_clients_each_equal_alone(server, smol):
+    questions = [f"Write a short paragraph about the number {i}." for i in range(32)]
+    budgets = [(8, 24, 48, 16, 64, 32)[i % 6] for i in range(32)]
+    before = server.metrics()
+    seen = {"busy": 0.0, "waiting": 0.0}
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            m = server.metrics()
+            seen["busy"] = max(seen["busy"], m["rkvjax_slots_busy"])
+            seen["waiting"] = max(seen["waiting"], m["rkvjax_requests_waiting"])
+            time.sleep(0.05)
+
+    def ask(i):
+        return server.client().chat.completions.create(
+            model=NAME, messages=_chat(questions[i]), max_tokens=budgets[i], temperature=0
+        )
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(ask, range(32)))
+    finally:
+        done.set()
+        watcher.join()
+    after = server.metrics()
+    alone = _alone(smol, [_chat(q) for q in questions], budgets, chat=True)
+    for got, want in zip(answers, alone, strict=True):
+        assert got.choices[0].message.content == want.text
+        assert got.usage.completion_tokens == len(want.token_ids)
+    assert seen["busy"] == SLOTS and seen["waiting"] > 0
+
+    def grew(name):
+        return after[f"rkvjax_{name}"] - before[f"rkvjax_{name}"]
+
+    assert grew("generation_tokens_total") == sum(a.usage.completion_tokens for a in answers)
+    assert grew("time_to_first_token_seconds_count") == 32
+    compressed = sum(a.choices[0].model_extra["rkvjax"]["compressions"] for a in answers)
+    assert compressed == sum(w.stats.compressions for w in alone) > 0
+    assert after["rkvjax_compressions_total"] > before["rkvjax_compressions_total"]
+
+
+def _wait_for(cond, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_client_that_disconnects_mid_stream_is_aborted(server):
+    before = server.metrics()
+    body = json.dumps({"model": NAME, "messages": _chat("Write an endless poem."), "stream": True,
+                       "max_tokens": 4000, "ignore_eos": True, "temperature": 0})  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+    )
+    sock.sendall(request.encode())
+    received = b""
+    while received.count(b"data: ") < 4:  # the role, then content: the sample runs
+        received += sock.recv(65536)
+    assert server.metrics()["rkvjax_slots_busy"] == 1
+    sock.close()
+    aborted = _wait_for(
+        lambda: (
+            server.metrics()["rkvjax_requests_aborted_total"]
+            == before["rkvjax_requests_aborted_total"] + 1
+        )
+    )
+    assert aborted, server.metrics()
+    assert server.metrics()["rkvjax_slots_busy"] == 0
+    decoded = server.metrics()["rkvjax_decoded_tokens_total"]
+    time.sleep(1.0)
+    assert server.metrics()["rkvjax_decoded_tokens_total"] == decoded  # nothing runs on
+    answer = server.client().chat.completions.create(
+        model=NAME, messages=_chat("Say hi."), max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].message.content
+
+
+def _good_request_succeeds(server):
+    r = server.client().completions.create(
+        model=NAME, prompt="One, two, three, four, five, six, seven,", max_tokens=3, temperature=0
+    )
+    assert r.usage.completion_tokens == 3
+
+
+_CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+BAD_REQUESTS = {
+    "invalid JSON": ("/v1/chat/completions", b'{"messages": [', {}, 400),
+    "not an object": ("/v1/chat/completions", b"[1, 2]", {}, 400),
+    "unknown field": ("/v1/chat/completions", {**_CHAT, "temperatur": 0.5}, {}, 400),
+    "ill-typed field": ("/v1/chat/completions", {**_CHAT, "temperature": "hot"}, {}, 400),
+    "ill-typed messages": ("/v1/chat/completions", {"messages": "hi"}, {}, 400),
+    "max_tokens 0": ("/v1/chat/completions", {**_CHAT, "max_tokens": 0}, {}, 400),
+    "stream_options alone": (
+        "/v1/chat/completions", {**_CHAT, "stream_options": {"include_usage": True}}, {}, 400),
+    "prompt past the context": (
+        "/v1/completions", {"prompt": [17] * 9000, "max_tokens": 4}, {}, 400),
+    "n above the slots": ("/v1/chat/completions", {**_CHAT, "n": SLOTS + 1}, {}, 400),
+    "body too large": (
+        "/v1/completions", {"prompt": "x" * (MAX_BODY + 10)}, {}, 413),
+    "no API key": ("/v1/chat/completions", _CHAT, {"Authorization": None}, 401),
+    "wrong API key": (
+        "/v1/chat/completions", _CHAT, {"Authorization": "Bearer test-key-124"}, 401),
+    "another model": ("/v1/chat/completions", {**_CHAT, "model": "gpt-4o"}, {}, 404),
+    "no such route": ("/v1/embeddings", _CHAT, {}, 404),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_a_4xx_in_openai_shape_then_serving_goes_on(server, case):
+    path, body, headers, status = BAD_REQUESTS[case]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, answer = server.post(path, raw, headers)
+    assert got == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error"
+    if case == "another model":
+        assert error["code"] == "model_not_found" and "gpt-4o" in error["message"]
+    if case == "unknown field":
+        assert "temperatur" in error["message"] and "temperature" in error["message"]
+    if case == "prompt past the context":
+        assert "9000" in error["message"]
+    _good_request_succeeds(server)
+
+
+def test_openai_client_raises_its_own_error_types(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="nope").models.list()
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="gpt-4o", messages=_chat("hi"))
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client().chat.completions.create(model=NAME, messages=_chat("hi"), temperature=7.0)
+
+
+def test_sigterm_stops_admitting_and_exits_cleanly(server):
+    """Last: it stops the server. A running stream is cut after --shutdown-timeout (5 s)."""
+    events = []
+
+    def long_stream():
+        try:
+            stream = server.client().chat.completions.create(
+                model=NAME, messages=_chat("Write an endless poem."), max_tokens=4000,
+                temperature=0, stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in stream:
+                events.append(chunk)
+        except Exception as e:  # the server may cut the stream: that is the point
+            events.append(e)
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert _wait_for(lambda: len(events) > 2, 120)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0, server.log.read_text()
+    t.join(60)
+    assert not t.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    log = server.log.read_text()
+    assert "Traceback" not in log, log
