@@ -6,8 +6,9 @@ that need none (request checks, the scheduler, job files) start at once.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rkvjax.lazy import attribute_loader
 
 if TYPE_CHECKING:
     from rkvjax import compression, evaluation, jobs, policies
@@ -66,16 +67,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        value = importlib.import_module(f"rkvjax.{name}")
-    elif name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-    else:
-        raise AttributeError(f"module 'rkvjax' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__ = attribute_loader(__name__, _HOMES, _SUBMODULES)

@@ -9,8 +9,9 @@ it and stream its deltas back (`protocol`). `serving_engine` builds the engine a
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rkvjax.lazy import attribute_loader
 
 if TYPE_CHECKING:
     from rkvjax.serve.app import ServeConfig, build_app
@@ -43,9 +44,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'rkvjax.serve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = attribute_loader(__name__, _HOMES)
