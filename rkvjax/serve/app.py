@@ -273,7 +273,9 @@ class _Server:
             deadline = asyncio.get_running_loop().time() + self.config.request_timeout
         done = False
         try:
-            yield writer.opening(r.sampling.n)
+            opening = writer.opening(r.sampling.n)
+            if opening:
+                yield opening
             while True:
                 try:
                     async with asyncio.timeout_at(deadline):
