@@ -1,7 +1,7 @@
 """The scheduler alone: admission by prompt-length bucket, a prompt's samples sharing its prefill,
-placement over data shards, early chunk ends, freeing, narrowing and widening, driven with fake
-requests and fake outcomes. No model, no device: the scheduler imports no JAX, which the first
-test proves by running this file in a process where importing JAX fails."""
+placement over data shards, early chunk ends, freeing, aborting, narrowing and widening, driven
+with fake requests and fake outcomes. No model, no device: the scheduler imports no JAX, which the
+first test proves by running this file in a process where importing JAX fails."""
 
 from __future__ import annotations
 
@@ -215,3 +215,67 @@ def test_narrowing_on_a_mesh_keeps_each_shards_rows():
     # One busy row in each shard: one row per shard, named by its index within the shard.
     assert (resize.width, resize.rows) == (2, (0, 0))
     assert (samples[1].row, samples[6].row) == (0, 1)
+
+
+def test_abort_takes_a_queued_request_out_and_only_it():
+    s = _scheduler(slots=2)
+    a, _ = _add(s, "a", 10), _add(s, "b", 10)
+    c, d = _add(s, "c", 10), _add(s, "d", 12, n=2)
+    s.admit()
+    assert s.abort("c") == (c, [], [])
+    assert c[0].reason == "abort" and c[0].row is None
+    assert [p.samples for p in s.queue] == [d] and d[0].reason is None
+    assert s.busy == 2 and s.take_release() == []  # no row held it
+    assert s.abort("c") == ([], [], []) and s.abort("never") == ([], [], [])
+    _finish(s, a[0])
+    (ins,) = s.admit().inserts
+    assert _ids(ins) == ["d"] and ins.prefill is not None
+
+
+def test_abort_frees_a_running_samples_row_for_release():
+    s = _scheduler(slots=3)
+    a, b, c = (_add(s, rid, 10) for rid in "abc")
+    s.admit()
+    assert [x[0].row for x in (a, b, c)] == [0, 1, 2]
+    assert s.abort("b") == ([], b, [])
+    assert b[0].reason == "abort" and b[0].row is None
+    assert s.owner[1] is None and s.busy == 2
+    # The device runs row 1 until it is released.
+    assert s.take_release() == [1] and s.take_release() == []
+    assert a[0].reason is None and c[0].reason is None
+    # A row aborted and refilled before the release needs none: the insert overwrites it.
+    assert s.abort("a") == ([], a, [])
+    _add(s, "d", 10)
+    _add(s, "e", 10)
+    (ins,) = s.admit().inserts
+    assert ins.dst == (0, 1)
+    assert s.take_release() == [] and s.busy == 3
+
+
+def test_abort_of_a_partly_admitted_request_returns_its_group():
+    """n = 4 in two rows: the samples not yet in a row wait with the prefilled group kept;
+    aborting the request stops them all and gives the group back, to be dropped. A sample
+    that finished before the abort stays as it ended."""
+    s = _scheduler(slots=2)
+    w = _add(s, "w", 10, n=4)
+    (first,) = s.admit().inserts
+    assert not first.last_use and [x.index for x in first.samples] == [0, 1]
+    x = _add(s, "x", 11)
+    _finish(s, w[0])
+    (again,) = s.admit().inserts  # sample 2 from the kept group, x still waits
+    assert again.group == first.group and again.prefill is None and not again.last_use
+    queued, running, groups = s.abort("w")
+    assert queued == [w[3]] and sorted(running, key=lambda r: r.index) == [w[1], w[2]]
+    assert groups == [first.group]
+    assert w[0].reason == "length" and all(r.reason == "abort" for r in w[1:])
+    assert s.busy == 0 and s.take_release() == [0, 1]
+    assert [p.samples for p in s.queue] == [x]
+    (ins,) = s.admit().inserts
+    assert _ids(ins) == ["x"] and ins.prefill is not None and ins.group != first.group
+    # The group comes back too when none of the request's samples runs any more.
+    s1 = _scheduler(slots=1)
+    v = _add(s1, "v", 10, n=3)
+    (ins,) = s1.admit().inserts
+    _finish(s1, v[0])
+    assert s1.abort("v") == (v[1:], [], [ins.group])
+    assert not s1.queue and not s1.has_work

@@ -120,7 +120,8 @@ def _chat(question: str) -> list[dict]:
 
 def _alone(smol, prompts, max_tokens, *, chat: bool, stop=None):
     """Each greedy request run alone (one slot) with the server's cache policy."""
-    params = [rkvjax.SamplingParams(temperature=0.0, max_tokens=m, stop=stop or []) for m in max_tokens]
+    stop = stop or []
+    params = [rkvjax.SamplingParams(temperature=0.0, max_tokens=m, stop=stop) for m in max_tokens]
     return rkvjax.generate(
         smol, prompts, sampling=params, slots=1, chat=None if chat else False, **CACHE
     )

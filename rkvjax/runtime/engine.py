@@ -355,8 +355,9 @@ class Engine:
     def abort(self, request_id: Any) -> int:
         """Stops a request: its samples waiting for rows leave the queue, and its running
         samples' rows are freed now (the chunk in flight still decodes them; their tokens are
-        dropped). Aborted samples have no results or deltas. Returns how many samples it
-        stopped: 0 for an id that is not queued or running (finished, or never submitted)."""
+        dropped). Aborted samples have no results, and their deltas not yet taken are
+        dropped. Returns how many samples it stopped: 0 for an id that is not queued or
+        running (finished, or never submitted)."""
         if request_id not in self._live:
             return 0
         queued, running, groups = self.scheduler.abort(request_id)
@@ -367,6 +368,7 @@ class Engine:
             with self.executor.running():
                 self.executor.release(rows)
         del self._live[request_id]
+        self._deltas = [d for d in self._deltas if d.request_id != request_id]
         self._counters["aborted"] += 1
         self._counters["aborted_samples"] += len(queued) + len(running)
         return len(queued) + len(running)
@@ -459,7 +461,7 @@ class Engine:
         if self._progress and self._bar is None:
             from tqdm.auto import tqdm
 
-            total = self._total or self._counters["samples"]
+            total = self._total or self._samples_to_run
             self._bar = tqdm(total=total, unit="sample", desc="generate", dynamic_ncols=True)
 
     def _admit(self) -> None:
@@ -631,11 +633,16 @@ class Engine:
             decoded_tokens=c["decoded"],
         )
 
+    @property
+    def _samples_to_run(self) -> int:
+        c = self._counters
+        return c["samples"] - c["aborted_samples"]
+
     def _update_bar(self, finished: list) -> None:
         if self._bar is None:
             return
         if self._total is None:
-            self._bar.total = self._counters["samples"]
+            self._bar.total = self._samples_to_run
         self._bar.update(len(finished))
         st = self.stats
         self._bar.set_postfix(
