@@ -661,6 +661,7 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from rkvjax import serve
+    from rkvjax.serve import app as serve_app
 
     if jax.process_count() > 1:
         raise ValueError("rkvjax serve runs in one process (a --mesh over its own devices)")
@@ -675,6 +676,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} out of range: {value}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    api_key = args.api_key or os.environ.get("RKVJAX_API_KEY") or None
+    serve_app.check_api_key(api_key)
     model = _load(args)
     engine, length = serve.serving_engine(
         model,
@@ -701,7 +704,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=name,
         max_model_len=length,
         defaults=fields,
-        api_key=args.api_key or os.environ.get("RKVJAX_API_KEY") or None,
+        api_key=api_key,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
     )

@@ -58,6 +58,15 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float | None = None
 
+    def __post_init__(self):
+        check_api_key(self.api_key)
+
+
+def check_api_key(key: str | None) -> None:
+    """An API key is printable ASCII without spaces: what an HTTP header carries as it is."""
+    if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
+        raise ValueError("the API key must be printable ASCII without spaces")
+
 
 class _Server:
     """The app's state: the engine, its thread once started, the metrics."""
@@ -112,8 +121,9 @@ class _Server:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
+        # Header values arrive decoded as latin-1: compared as the bytes that were sent.
         ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("utf-8"), key.encode("utf-8")
+            token.strip().encode("latin-1", "replace"), key.encode("ascii")
         )
         if not ok:
             raise APIError(
@@ -202,6 +212,7 @@ class _Server:
             )
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         prepared = await anyio.to_thread.run_sync(self._prepare, req, rid)
+        self._check_ready()  # again: the server may have begun to shut down meanwhile
         handle = self.worker.submit(prepared, stream=req.stream)
         if req.stream:
             return StreamingResponse(

@@ -77,7 +77,9 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[Any, Handle] = {}  # the engine thread's own
         self._left: dict[Any, int] = {}  # samples of each request not finished
-        self._draining = False
+        # Guards the two marks below against a submit racing the engine thread's end.
+        self._lock = threading.Lock()
+        self._closed: BaseException | None = None  # why submits are answered at once
         self._thread = threading.Thread(target=self._run, name="rkvjax-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -91,9 +93,16 @@ class EngineWorker:
     # -- called from the event loop -------------------------------------------------------
 
     def submit(self, request: Request, *, stream: bool) -> Handle:
-        """Queues a prepared request (`Engine.prepare`); its events arrive on the handle."""
+        """Queues a prepared request (`Engine.prepare`); its events arrive on the handle. Once
+        the engine thread failed or the server aborted everything, the handle gets that error
+        at once (called on the event loop's thread)."""
         handle = Handle(request, stream)
-        self._inbox.put(("submit", handle))
+        with self._lock:
+            closed = self._closed
+            if closed is None:
+                self._inbox.put(("submit", handle))
+                return handle
+        _put_all(handle.events, [closed, None])
         return handle
 
     def abort(self, request_id: Any) -> None:
@@ -101,8 +110,13 @@ class EngineWorker:
         self._inbox.put(("abort", request_id))
 
     def abort_all(self) -> None:
-        """Aborts every request at the engine's next round; each gets a `ShutDown` event."""
-        self._inbox.put(("abort_all", None))
+        """Aborts every request at the engine's next round; each gets a `ShutDown` event, and
+        so does any request submitted later."""
+        with self._lock:
+            self._closed = self._closed or ShutDown(
+                "the server shut down before the request finished"
+            )
+            self._inbox.put(("abort_all", None))
 
     def stop(self, timeout: float | None = None) -> None:
         """Aborts whatever still runs and ends the thread."""
@@ -114,20 +128,26 @@ class EngineWorker:
     def _run(self) -> None:
         engine = self.engine
         try:
-            while True:
-                if not self._take_inbox(block=not engine.has_work):
-                    break
-                if not engine.has_work:
-                    continue
-                finished = engine.step()
-                self._publish(engine.take_deltas(), finished)
-                self._update_snapshot()
+            while self._take_inbox(block=not engine.has_work):
+                if engine.has_work:
+                    finished = engine.step()
+                    self._publish(engine.take_deltas(), finished)
+                self._update_snapshot()  # an abort may have left the engine idle
         except BaseException as e:  # the server answers 500 from now on and says why
             log.exception("the engine thread failed")
             self.error = e
+            with self._lock:
+                self._closed = e
             for h in self._handles.values():
                 self._send(h, [e, None])
             self._handles.clear()
+            while True:  # requests submitted before the mark was set
+                try:
+                    kind, value = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    self._send(value, [e, None])
 
     def _take_inbox(self, *, block: bool) -> bool:
         """Carries out what the inbox holds (waiting for one message when `block`); False
@@ -149,8 +169,7 @@ class EngineWorker:
             else:
                 for rid, h in list(self._handles.items()):
                     self._abort(rid)
-                    self._send(h, [ShutDown("the server shut down before the request finished"),
-                                   None])  # fmt: skip
+                    self._send(h, [self._closed, None])
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
