@@ -678,6 +678,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     api_key = args.api_key or os.environ.get("RKVJAX_API_KEY") or None
     serve_app.check_api_key(api_key)
+    if fields.get("logprobs") is not None and fields["logprobs"] > args.max_logprobs:
+        raise ValueError(f"--logprobs {fields['logprobs']} is more than --max-logprobs")
+    sock = serve.bind(args.host, args.port)
     model = _load(args)
     engine, length = serve.serving_engine(
         model,
@@ -714,7 +717,12 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     serve.serve(
-        engine, config, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout
+        engine,
+        config,
+        host=args.host,
+        port=args.port,
+        sock=sock,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return 0
 

@@ -84,9 +84,12 @@ class TextStream:
         step = self._step
         raw = self._pending + "".join(t for t in map(step, ids) if t)
         cut = len(raw) - self._hold
-        if self._clean_up is not None and cut > 0:
+        # Backing off to a space can put another within reach (" ' " ends with one).
+        while self._clean_up is not None and cut > 0:
             space = raw.find(" ", max(0, cut - _CLEAN_UP_REACH), cut)
-            cut = space if space >= 0 else cut
+            if space < 0:
+                break
+            cut = space
         cut = max(cut, 0)
         out, self._pending = raw[:cut], raw[cut:]
         if self._clean_up is not None:

@@ -28,6 +28,10 @@ _SPECIAL_NAMES = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Where transformers 5 saves chat templates: one file, and a folder of named ones.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Characters above which `encode` goes through `encode_batch`: the tokenizers library holds the
+# GIL in `encode` (1 MiB took 1.2 s, during which a server's other threads stood still) and
+# releases it in `encode_batch`.
+_LONG_TEXT = 16_384
 CHAT_TEMPLATE_DIR = "chat_templates"
 # Every file `Tokenizer.from_dir` reads (besides CHAT_TEMPLATE_DIR): a copy of a model folder
 # that keeps these keeps its tokenizer, chat template and stop tokens.
@@ -168,6 +172,8 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Text -> token ids; special tokens written in the text are matched whole."""
+        if len(text) > _LONG_TEXT:  # `encode_batch` lets other threads run meanwhile
+            return self.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(

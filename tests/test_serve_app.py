@@ -942,6 +942,7 @@ def test_shutdown_during_prepare():
         (["--request-timeout", "0"], "--request-timeout"),
         (["--method", "full", "--budget", "64"], "--budget"),
         (["--temperature", "5"], "temperature"),
+        (["--logprobs", "30"], "--max-logprobs"),
     ],
 )
 def test_bad_serve_flags_fail_in_one_line_before_the_model_loads(argv, names, capsys, monkeypatch):
@@ -951,3 +952,15 @@ def test_bad_serve_flags_fail_in_one_line_before_the_model_loads(argv, names, ca
     assert cli.main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rkvjax: error:") and names in err and err.count("\n") == 1, err
+
+
+def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+    from rkvjax import cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rkvjax: error: cannot listen on 127.0.0.1:{port}")
+    assert err.count("\n") == 1

@@ -529,3 +529,66 @@ def test_reset_stats_restarts_the_counters_of_an_idle_engine(llama):
     assert [r.stats.batch_size for r in again.values()] == [
         first[k].stats.batch_size for k in again
     ]
+
+
+def test_warm_widths_leaves_nothing_to_compile_when_the_load_changes(llama):
+    """A server's warm-up: after `warm_widths`, a run whose batch narrows to one row, takes a
+    new arrival into the narrowed batch, then widens for a burst (every prompt in the warmed
+    length bucket, one per prefill) compiles nothing more, and its tokens equal each request
+    alone."""
+    eng = rkvjax.Engine(llama, slots=4, cache=TINY_CACHE, max_prefill_rows=1)
+    assert eng.warm_widths(_prompt(12, 600)) == [1, 2, 4]
+    traces = collections.Counter(programs.TRACES)
+    reqs = {"long": (_prompt(10, 601), _tiny(200))}
+    _submit_tiny(eng, reqs)
+    done = []
+    while eng.scheduler.width == 4:
+        done += eng.step()
+    assert eng.scheduler.width == 1
+    arrivals = [
+        {"one": (_prompt(11, 602), _tiny(40))},  # into the narrowed batch: it widens to 2
+        {f"burst{i}": (_prompt(9 + i, 610 + i), _tiny(30)) for i in range(3)},  # to 4
+    ]
+    for batch in arrivals:
+        _submit_tiny(eng, batch)
+        reqs.update(batch)
+        done += eng.step()
+    done += eng.run()
+    assert eng.stats.narrowings >= 1 and eng.stats.widenings >= 2
+    assert collections.Counter(programs.TRACES) == traces
+    alone = rkvjax.Engine(llama, slots=1, cache=TINY_CACHE, narrow_tail=False)
+    _submit_tiny(alone, reqs)
+    want = {k: r.token_ids for k, r in _by_sample(alone.run()).items()}
+    assert {k: r.token_ids for k, r in _by_sample(done).items()} == want
+    with pytest.raises(RuntimeError, match="never ran"):
+        eng.warm_widths()
+
+
+def test_text_stream_with_a_tokenizer_that_cleans_up_spaces(tmp_path):
+    """A tokenizer whose `decode` removes spaces before punctuation (transformers' clean-up):
+    streamed pieces of random token sequences, one token at a time, still add up to the
+    decoded text."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from rkvjax.tokenizer import Tokenizer
+
+    words = ["<unk>", "it", "'", "s", "ok", ".", "don", "t", "n't", ",", "?", "!", "m", "ve"]
+    backend = Backend(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.cleans_up
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ids = rng.integers(1, len(words), size=int(rng.integers(1, 12))).tolist()
+        whole = tok.decode(ids)
+        stream = TextStream(tok)
+        pieces = "".join(stream.push([t]) for t in ids)
+        assert whole.startswith(pieces), (ids, pieces, whole)
+        assert pieces + stream.rest(whole) == whole

@@ -532,16 +532,27 @@ class Engine:
             compile_s=st.compile_s,
         )
 
-    def warm_widths(self) -> list[int]:
+    def warm_widths(self, prompt=None) -> list[int]:
         """Compiles the programs of every width the state may narrow or widen to (run on
-        empty rows), so a server's requests never wait on one when its load changes; only
-        the full width without `narrow_tail`. Before any request. Returns the widths."""
-        if self.scheduler.has_work or self._events:
-            raise RuntimeError("warm_widths runs before any request")
-        if not self.scheduler.cfg.narrow_tail:
-            return [self.slots]
+        empty rows: decode chunk, release, row moves, and one prompt's insert), so that a
+        server's requests never wait on one when its load changes. Without `narrow_tail`
+        there is one width. Only on an engine that never ran a request.
+
+        Args:
+          prompt: what a request's prompt may be (text, token ids or a chat); its prefill
+            (one prompt-length bucket) is compiled too. Default: 16 token ids.
+
+        Returns:
+          The widths, in rows.
+        """
+        if self.scheduler.has_work or self._events or self._t0 is not None:
+            raise RuntimeError("warm_widths runs on an engine that never ran a request")
+        ids = list(range(1, 17)) if prompt is None else prompt
+        request = self.prepare(ids, SamplingParams(temperature=0.0, max_tokens=1))
         with self.executor.running():
-            return self.executor.warm_widths()
+            return self.executor.warm_widths(
+                request.prompt_token_ids, narrow=self.scheduler.cfg.narrow_tail
+            )
 
     def reset_stats(self) -> None:
         """Starts the counters of `stats` afresh (a server after its warm-up); compiled

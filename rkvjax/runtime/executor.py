@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +25,7 @@ import numpy as np
 from rkvjax import policy, programs, requests, sharding
 from rkvjax.loading import Model
 from rkvjax.runtime.samples import Sample
-from rkvjax.runtime.scheduler import Admission, Insert, Resize
+from rkvjax.runtime.scheduler import Admission, Insert, Prefill, Resize
 from rkvjax.sampling import SlotSampling
 
 
@@ -273,17 +273,24 @@ class Executor:
             self.state = programs.put_rows(wide, self.state, rows, plan=plan)
         self.width = resize.width
 
-    def warm_widths(self) -> list[int]:
+    def warm_widths(self, prompt: Sequence[int], *, narrow: bool = True) -> list[int]:
         """Runs, on empty rows, the programs of every width the state can narrow or widen to:
-        the decode chunk and the release at each, and the row moves between each two, so that
-        a change of load never waits on a compilation (a server calls it at start). Returns
-        the widths. Only before any request: the state is left empty at full width."""
+        the decode chunk, the release and one prompt's insert (as one arrival into a narrowed
+        batch; the prompt is prefilled once, and its row is the padding row, so nothing is
+        written) at each, and the row moves between each two, so that a change of load never
+        waits on a compilation (a server calls it at start); `narrow=False`: the full width
+        only. Returns the widths. Only before any request: the state is left empty at full
+        width."""
         d = self.model.data_shards
         per = self.slots // d
         # `Scheduler.narrow` and `_widen`: a power of two rows per data shard, or all of them.
         ladder = sorted({min(1 << k, per) for k in range(per.bit_length() + 1)})
-        for w in ladder:
+        ladder = ladder if narrow else [per]
+        prefill = Prefill(-1, (tuple(prompt),), requests.row_bucket(1, self.slots, d), (0,))
+        for i, w in enumerate(ladder):
             self.state, self.width = self.empty_state(w * d), w * d
+            first = prefill if i == 0 else None
+            self.insert(Insert(-1, (0,), (w * d,), (), 1, w * d, first, i == len(ladder) - 1))
             jax.block_until_ready(self.dispatch(self.slots + 1))
             self.release([])
             for narrow in (v for v in ladder if v < w):

@@ -141,9 +141,10 @@ class OutputProcessor:
         s.tokens += new
         if s.text is not None and cut is None:  # else its last delta takes the result's text
             s.unsent += s.text.push(new)
-        if out.logprob.shape[1]:
-            s.logprobs += out.logprob[b, :n].tolist()
         want = s.request.sampling.logprobs
+        # Every row's logprobs come back once one request asks; kept for those that use them.
+        if out.logprob.shape[1] and (want is not None or s.request.continuation is not None):
+            s.logprobs += out.logprob[b, :n].tolist()
         if want is not None:  # the engine keeps the most any request asks for: cut to this one's
             s.top_ids.append(out.top_ids[b, :n, :want])
             s.top_logprobs.append(out.top_logprobs[b, :n, :want])

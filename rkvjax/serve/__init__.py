@@ -15,7 +15,7 @@ from rkvjax.lazy import attribute_loader
 
 if TYPE_CHECKING:
     from rkvjax.serve.app import ServeConfig, build_app
-    from rkvjax.serve.server import serve, serving_engine, warm_up
+    from rkvjax.serve.server import bind, serve, serving_engine, warm_up
 
 # The command line reads these without loading the HTTP stack.
 DEFAULT_SERVE_SLOTS = 32  # at most, when memory allows (`api.default_slots`)
@@ -26,6 +26,7 @@ SHUTDOWN_TIMEOUT_S = 30  # SIGTERM: seconds running requests get to finish
 _HOMES = {
     "ServeConfig": "rkvjax.serve.app",
     "build_app": "rkvjax.serve.app",
+    "bind": "rkvjax.serve.server",
     "serve": "rkvjax.serve.server",
     "serving_engine": "rkvjax.serve.server",
     "warm_up": "rkvjax.serve.server",
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_SERVE_SLOTS",
     "SHUTDOWN_TIMEOUT_S",
     "ServeConfig",
+    "bind",
     "build_app",
     "serve",
     "serving_engine",

@@ -140,6 +140,7 @@ class _Server:
                 500,
                 f"the engine stopped: {self.worker.error if self.worker else 'not started'}",
                 kind="server_error",
+                retry=False,
             )
 
     async def _body(self, request: HTTPRequest) -> bytes:
@@ -164,14 +165,14 @@ class _Server:
             chat = None if req.kind == "chat" else False  # completions: raw text, as OpenAI's
             ids = requests.encode(engine.model.tokenizer, req.prompt, chat, where)
             fields = {**cfg.defaults, **req.fields}
-            if fields.get("max_tokens") is None:
+            if "max_tokens" not in req.fields:  # the server's default, within the context
                 left = cfg.max_model_len - len(ids)
                 if left < 1:
                     raise ValueError(
                         f"{where}: a prompt of {len(ids)} tokens leaves no room for output in "
                         f"the {cfg.max_model_len}-token context"
                     )
-                fields["max_tokens"] = left
+                fields["max_tokens"] = min(fields.get("max_tokens") or left, left)
             try:
                 sampling = SamplingParams(**fields)
             except (TypeError, ValueError) as e:
@@ -201,7 +202,10 @@ class _Server:
     async def _complete(self, request: HTTPRequest, kind: str) -> Response:
         self._check_key(request)
         self._check_ready()
-        req = protocol.parse_request(await self._body(request), kind)
+        # Off the event loop, like the encoding: a large body's JSON takes a while.
+        req = await anyio.to_thread.run_sync(
+            protocol.parse_request, await self._body(request), kind
+        )
         if req.model is not None and req.model != self.config.model_name:
             raise APIError(
                 404,
@@ -266,6 +270,7 @@ class _Server:
             408,
             f"request timed out after {self.config.request_timeout} s and was aborted",
             code="timeout",
+            retry=False,
         )
 
     async def _stream(self, handle: Handle, req: protocol.CompletionRequest):
@@ -346,7 +351,7 @@ def _engine_error(ev: BaseException) -> APIError:
         return APIError(503, str(ev), kind="server_error", code="shutdown")
     if isinstance(ev, ValueError):
         return APIError(400, str(ev))
-    return APIError(500, f"the engine failed: {ev!r}", kind="server_error")
+    return APIError(500, f"the engine failed: {ev!r}", kind="server_error", retry=False)
 
 
 async def _disconnected(request: HTTPRequest) -> None:
@@ -390,7 +395,7 @@ def build_app(engine, config: ServeConfig) -> Starlette:
 
 
 async def _api_error(request: HTTPRequest, exc: APIError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: HTTPRequest, exc: HTTPException) -> Response:

@@ -34,6 +34,7 @@ class APIError(Exception):
         kind: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
+        retry: bool = True,
     ):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = (
@@ -43,6 +44,9 @@ class APIError(Exception):
             code,
             param,
         )
+        # OpenAI's clients retry 408, 409, 429 and 5xx unless told not to: a timed-out request
+        # would run again twice.
+        self.headers = {} if retry else {"x-should-retry": "false"}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, kind=self.kind, code=self.code, param=self.param)
@@ -80,6 +84,8 @@ def parse_request(raw: bytes, kind: str) -> CompletionRequest:
     try:
         prompt, fields = openai_batch.parse_body(body, kind, where, extra=STREAM_FIELDS)
         stream, include_usage = _stream_fields(body, where)
+        if "logprobs" in body and "logprobs" not in fields:  # `false` overrides a default
+            fields["logprobs"] = None
     except ValueError as e:
         raise APIError(400, str(e)) from None
     return CompletionRequest(kind, prompt, fields, body.get("model"), stream, include_usage)
@@ -176,7 +182,7 @@ class ChunkWriter:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.token_text = token_text
-        self._offsets: dict[int, int] = {}  # completions: text so far per choice
+        self._offsets: dict[int, int] = {}  # completions: token texts so far per choice
 
     def _event(self, choices: list[dict[str, Any]], **extra) -> bytes:
         chunk = {**self.head, "choices": choices, **extra}
@@ -204,9 +210,9 @@ class ChunkWriter:
             if self.chat:
                 lp = openai_batch.chat_logprobs(rec, self.token_text)
             else:
-                lp = openai_batch.completion_logprobs(
-                    rec, self.token_text, self._offsets.get(d.sample_index, 0)
-                )
+                at = self._offsets.get(d.sample_index, 0)
+                lp = openai_batch.completion_logprobs(rec, self.token_text, at)
+                self._offsets[d.sample_index] = at + sum(map(len, lp["tokens"]))
         if not d.text and lp is None and d.result is None:
             return b""
         choice: dict[str, Any] = {"index": d.sample_index}
@@ -214,7 +220,6 @@ class ChunkWriter:
             choice["delta"] = {"content": d.text} if d.text or d.result is None else {}
         else:
             choice["text"] = d.text
-            self._offsets[d.sample_index] = self._offsets.get(d.sample_index, 0) + len(d.text)
         choice["logprobs"] = lp
         choice["finish_reason"] = None
         if d.result is not None:

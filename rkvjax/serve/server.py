@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -74,15 +75,16 @@ WARM_UP_PROMPT = "Say hello to the people of the world, in one short and friendl
 
 
 def warm_up(engine: runtime.Engine) -> float:
-    """Compiles the engine's programs, so that clients do not wait on them: the decode chunk
-    and row moves of every width the batch narrows to (`Engine.warm_widths`), then a short
-    request's prefill and insert (a prompt of another length bucket still compiles its own
-    on first use). Starts the counters afresh. Returns the seconds it took."""
+    """Compiles the engine's programs, so that clients do not wait on them: at every width the
+    batch narrows to, the decode chunk, the row moves and one prompt's insert
+    (`Engine.warm_widths`), then a short request end to end. A prompt of another length
+    bucket, or several prompts arriving at once, still compile their prefill (and insert) on
+    first use. Starts the counters afresh. Returns the seconds it took."""
     t0 = time.perf_counter()
-    engine.warm_widths()
     tok = engine.model.tokenizer
     # At least a compression window's tokens, with or without a chat template.
     prompt = WARM_UP_PROMPT if tok is not None else list(range(1, 17))
+    engine.warm_widths(prompt)
     engine.submit(
         prompt, SamplingParams(temperature=0.0, max_tokens=engine.chunk + 1), request_id="warmup"
     )
@@ -91,16 +93,27 @@ def warm_up(engine: runtime.Engine) -> float:
     return time.perf_counter() - t0
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's listening socket, opened before the model loads: a port in use is an
+    error at once, not after minutes of compiling."""
+    try:
+        return socket.create_server((host, port), reuse_port=False)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def serve(
     engine: runtime.Engine,
     config: ServeConfig,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
+    sock: socket.socket | None = None,
     shutdown_timeout: int = SHUTDOWN_TIMEOUT_S,
     log_level: str = "info",
 ) -> None:
-    """Serves `engine` over HTTP until SIGTERM or Ctrl-C.
+    """Serves `engine` over HTTP until SIGTERM or Ctrl-C, on `sock` (from `bind`) or on
+    host:port.
 
     SIGTERM stops admitting (the listening socket closes), gives running requests up to
     `shutdown_timeout` seconds to finish, aborts the rest and returns; Ctrl-C the same, then
@@ -134,9 +147,7 @@ def serve(
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    if not server.started:
-        raise ValueError(f"could not serve on {host}:{port} (see the log above)")

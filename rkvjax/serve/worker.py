@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import queue
 import threading
-import time
 from typing import Any
 
 from rkvjax.requests import Request
@@ -36,12 +35,10 @@ class Snapshot:
     prompt_tokens: int = 0
     generated_tokens: int = 0  # by finished samples
     decoded_tokens: int = 0  # by every row, running samples' included
-    tokens_per_s: float = 0.0
     compressions: int = 0
     stalled_row_steps: int = 0
     decode_steps: int = 0
     aborted: int = 0
-    compile_s: float = 0.0
 
 
 class ShutDown(Exception):
@@ -56,7 +53,6 @@ class Handle:
     request: Request
     stream: bool
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class EngineWorker:
@@ -182,6 +178,9 @@ class EngineWorker:
         except ValueError as e:  # checked when prepared; an id in use is the one way here
             self._send(handle, [e, None])
             return
+        except BaseException as e:  # the thread ends; this handle is in no list yet
+            self._send(handle, [e, None])
+            raise
         self._handles[r.id] = handle
         self._left[r.id] = r.sampling.n
 
@@ -226,12 +225,10 @@ class EngineWorker:
             slots=e.slots,
             prompt_tokens=st.prompt_tokens,
             generated_tokens=st.generated_tokens,
-            tokens_per_s=st.tokens_per_s,
             compressions=st.compressions,
             stalled_row_steps=st.stalled_row_steps,
             decode_steps=st.decode_steps,
             aborted=st.aborted,
-            compile_s=st.compile_s,
             decoded_tokens=st.decoded_tokens,
         )
         if self._metrics is not None:
