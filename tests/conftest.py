@@ -101,10 +101,12 @@ def tiny_checkpoint(tmp_path_factory):
 # `make test` runs the suite on two workers (pytest-xdist, `--dist loadfile`), each taking
 # whole files in collection order. The slowest files go first so that neither worker is left
 # with a long file once the other is done: a clean two-worker run on the 2-core CI machine took
-# about 400 s in test_runtime, 210 s in test_bench (the benchmark smoke run) and test_policy,
+# about 400 s in test_runtime, 300 s in test_serve (a server process of the default model),
+# 210 s in test_bench (the benchmark smoke run) and test_policy,
 # and 100-170 s in each of the next five; every other file under 80 s.
 SLOWEST_FIRST = (
     "test_runtime.py",
+    "test_serve.py",
     "test_bench.py",
     "test_policy.py",
     "test_policies.py",
