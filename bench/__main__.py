@@ -43,6 +43,7 @@ SUITES = (
     "jobs",
     "kernels",
     "load",
+    "serve",
 )
 TINY_OUT = Path(tempfile.gettempdir()) / "rkvjax-bench-tiny"
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"

@@ -539,6 +539,7 @@ def test_warm_widths_leaves_nothing_to_compile_when_the_load_changes(llama):
     eng = rkvjax.Engine(llama, slots=4, cache=TINY_CACHE, max_prefill_rows=1)
     assert eng.warm_widths(_prompt(12, 600)) == [1, 2, 4]
     traces = collections.Counter(programs.TRACES)
+    compiled = eng.executor.compile.programs  # a program traced once compiles per placement
     reqs = {"long": (_prompt(10, 601), _tiny(200))}
     _submit_tiny(eng, reqs)
     done = []
@@ -556,6 +557,7 @@ def test_warm_widths_leaves_nothing_to_compile_when_the_load_changes(llama):
     done += eng.run()
     assert eng.stats.narrowings >= 1 and eng.stats.widenings >= 2
     assert collections.Counter(programs.TRACES) == traces
+    assert eng.executor.compile.programs == compiled
     alone = rkvjax.Engine(llama, slots=1, cache=TINY_CACHE, narrow_tail=False)
     _submit_tiny(alone, reqs)
     want = {k: r.token_ids for k, r in _by_sample(alone.run()).items()}

@@ -144,7 +144,7 @@ class Executor:
     def empty_state(self, width: int | None = None) -> programs.SlotState:
         """Nothing in any row: every slot, or `width` rows of a narrowed run."""
         width = self.slots if width is None else width
-        return programs.init_state(
+        state = programs.init_state(
             self.decoder,
             slots=width,
             capacity=self.capacity,
@@ -152,6 +152,12 @@ class Executor:
             given_len=self.given_len,
             plan=self.plan_of(width),
         )
+        if self.model.mesh is None:
+            # Committed to the model's device, as every state a program returns is: jit keys
+            # its programs on that too, so a program warmed on an empty state (`warm_widths`)
+            # serves the live one without compiling again.
+            state = jax.device_put(state, self.model.device)
+        return state
 
     def ensure_state(self) -> None:
         if self.state is None:
