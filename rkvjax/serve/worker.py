@@ -125,10 +125,13 @@ class EngineWorker:
         engine = self.engine
         try:
             while self._take_inbox(block=not engine.has_work):
-                if engine.has_work:
-                    finished = engine.step()
-                    self._publish(engine.take_deltas(), finished)
-                self._update_snapshot()  # an abort may have left the engine idle
+                if not engine.has_work:
+                    self._update_snapshot()  # an abort may have left the engine idle
+                    continue
+                finished = engine.step()
+                # The numbers first: a client that got this round's events reads them.
+                self._update_snapshot()
+                self._publish(engine.take_deltas(), finished)
         except BaseException as e:  # the server answers 500 from now on and says why
             log.exception("the engine thread failed")
             self.error = e
