@@ -124,7 +124,10 @@ def filled(state: programs.SlotState, length: int) -> programs.SlotState:
     slot_pos = tuple(jnp.broadcast_to(pos, x.shape).copy() for x in c.slot_pos)  # L x [B, K, C]
     n = functools.partial(jnp.full_like, c.length, length)
     cache = dataclasses.replace(c, slot_pos=slot_pos, length=n(), pos=n())
-    return dataclasses.replace(state, cache=cache)
+    # Placed as the leaves they replace: jit keys its programs on placement, and a state
+    # mixing placements would compile the decode step again at the first timed step.
+    new = dataclasses.replace(state, cache=cache)
+    return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), new, state)
 
 
 def _decode(eng: rkvjax.Engine, state, steps: int):
