@@ -15,18 +15,24 @@ integers: XLA:CPU moved bfloat16 elements by converting the whole operand to flo
 which it did to every layer's cache on every decode step (batch-8 bfloat16 decode spent 10 of
 its 36 ms per step there). Views made around each append would not do: a bitcast-convert is a
 copy, so the append would no longer write in place.
+
+An 8-bit cache (`dtype` int8 or float8_e4m3fn, `rkvjax.quantization`) stores codes in `k`, `v`
+and `q_win` and a float32 scale per (token, head) in `k_scale`, `v_scale` and `q_scale`; a
+scale is moved wherever its token's codes are, so nothing is ever requantized.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from rkvjax import layers, sharding
+from rkvjax import layers, quantization, sharding
 from rkvjax.config import ModelConfig
+
+Scale = jax.Array | None
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +41,8 @@ class KVCache:
     k: tuple[jax.Array, ...]  # L x [B, K, C, H] keys after RoPE, as_storage(dtype)
     v: tuple[jax.Array, ...]  # L x [B, K, C, H] values, as_storage(dtype)
     slot_pos: tuple[jax.Array, ...]  # L x [B, K, C] int32 logical position, -1 = empty
-    q_win: tuple[jax.Array, ...]  # L x [B, N, W, H] the last W queries (empty for FullKV)
+    # L x [B, N, W, H] the last W queries, as `store_queries` keeps them (empty for FullKV)
+    q_win: tuple[jax.Array, ...]
     # L x [B, K, C] float32 a policy's per-key state (`Policy.state`: attention received),
     # moved with its key; empty for methods without one.
     acc: tuple[jax.Array, ...]
@@ -43,7 +50,13 @@ class KVCache:
     pos: jax.Array  # [B] int32: logical (RoPE) position of the next token
     prompt: jax.Array  # [B] int32: the row's prompt length (policies that keep the prompt)
     seed: jax.Array  # [B] uint32: the request's seed (policies that draw at random)
-    dtype: Any = dataclasses.field(metadata={"static": True})  # of the keys and values
+    # What the keys, values and queries are stored as (static): a float type, or an 8-bit one
+    # (`quantization.is_quantized`) with the scales below.
+    dtype: Any = dataclasses.field(metadata={"static": True})
+    # 8-bit caches only (() otherwise): float32 scales of the codes, moved with their token.
+    k_scale: tuple[jax.Array, ...] = ()  # L x [B, K, C]
+    v_scale: tuple[jax.Array, ...] = ()  # L x [B, K, C]
+    q_scale: tuple[jax.Array, ...] = ()  # L x [B, N, W] (compressing methods)
 
     def __post_init__(self):
         # One spelling per dtype (jnp.bfloat16 and its np.dtype), so jit caches hit.
@@ -53,13 +66,30 @@ class KVCache:
     def capacity(self) -> int:  # C, static
         return self.k[0].shape[2]
 
+    @property
+    def quantized(self) -> bool:
+        return quantization.is_quantized(self.dtype)
+
     def keys(self, layer: int) -> jax.Array:
-        """[B, K, C, H] in `dtype`."""
-        return layers.from_storage(self.k[layer], self.dtype)
+        """[B, K, C, H] in `dtype`, or float32 dequantized from an 8-bit cache."""
+        return read(self.k[layer], self.k_scale[layer] if self.quantized else None, self.dtype)
 
     def values(self, layer: int) -> jax.Array:
-        """[B, K, C, H] in `dtype`."""
-        return layers.from_storage(self.v[layer], self.dtype)
+        """[B, K, C, H] in `dtype`, or float32 dequantized from an 8-bit cache."""
+        return read(self.v[layer], self.v_scale[layer] if self.quantized else None, self.dtype)
+
+    def queries(self, layer: int) -> jax.Array:
+        """[B, N, W, H] the observation window's queries, as `keys` gives keys."""
+        return read(self.q_win[layer], self.q_scale[layer] if self.quantized else None, self.dtype)
+
+    def attend_kv(self, layer: int) -> tuple[jax.Array, jax.Array, Scale, Scale]:
+        """What attention reads of `layer`: keys and values [B, K, C, H] in `dtype` (an 8-bit
+        cache's codes, never dequantized) and their scales [B, K, C] (None: not quantized)."""
+        k = layers.from_storage(self.k[layer], self.dtype)
+        v = layers.from_storage(self.v[layer], self.dtype)
+        if not self.quantized:
+            return k, v, None, None
+        return k, v, self.k_scale[layer], self.v_scale[layer]
 
     def attend_mask(self, layer: int) -> jax.Array:
         """[B, K, 1, C]: slots holding a real token. Causality holds by construction in decode:
@@ -73,6 +103,40 @@ KV_AXES = ("batch", "kv_heads", "cache_slots", "head_dim")
 SLOT_AXES = ("batch", "kv_heads", "cache_slots")
 QWIN_AXES = ("batch", "q_heads", "window", "head_dim")
 ROW_AXES = ("batch",)
+
+
+QSCALE_AXES = QWIN_AXES[:3]
+
+
+def read(x: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+    """Stored keys, values or queries [..., H] as numbers: in `dtype` when `scale` is None,
+    else float32 dequantized with scales [...]. A compression scores what this returns."""
+    if scale is None:
+        return layers.from_storage(x, dtype)
+    return quantization.dequantize(x, scale, dtype)
+
+
+def read_queries(q_win: tuple, q_scale: tuple, dtype) -> list[jax.Array]:
+    """L x stored observation queries (and their scales, () when not quantized) as `read`
+    gives them."""
+    scales = q_scale or (None,) * len(q_win)
+    return [read(q, s, dtype) for q, s in zip(q_win, scales, strict=True)]
+
+
+def store(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """Keys, values or queries [..., H] as a cache of `dtype` keeps them: (storage, None) for
+    a float type, (codes, float32 scales [...]) for an 8-bit one."""
+    if quantization.is_quantized(dtype):
+        return quantization.quantize(x, dtype)
+    return layers.as_storage(x.astype(dtype)), None
+
+
+def store_queries(q: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """Queries [..., H] as the observation ring keeps them: in `dtype` for a float type (the
+    ring moves once per step, not per slot), or as `store` codes them for an 8-bit one."""
+    if quantization.is_quantized(dtype):
+        return quantization.quantize(q, dtype)
+    return q.astype(dtype), None
 
 
 def axes(cache: KVCache) -> KVCache:
@@ -89,6 +153,9 @@ def axes(cache: KVCache) -> KVCache:
         pos=ROW_AXES,
         prompt=ROW_AXES,
         seed=ROW_AXES,
+        k_scale=(SLOT_AXES,) * len(cache.k_scale),
+        v_scale=(SLOT_AXES,) * len(cache.v_scale),
+        q_scale=(QSCALE_AXES,) * len(cache.q_scale),
     )
 
 
@@ -114,20 +181,74 @@ def valid_first(idx: jax.Array, slot_pos: jax.Array) -> jax.Array:
     return jnp.take_along_axis(idx, jnp.argsort(~real, axis=-1, stable=True), axis=-1)
 
 
-def gather_slots(
-    k: jax.Array, v: jax.Array, slot_pos: jax.Array, idx: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """k, v [B, K, n, H], slot_pos [B, K, n], idx [B, K, m] -> the m picked slots of each."""
+class Layer(NamedTuple):
+    """One layer's per-slot leaves of some rows, None where the cache keeps no such leaf.
 
-    def take(x):
-        return jnp.take_along_axis(x, idx[..., None], axis=2)
+    Whatever moves a token (prompt placement, a compression, a rotation) moves all of them
+    with one index (`gather_layer`): the token's key, value, position, per-key state and
+    scales stay together."""
 
-    return take(k), take(v), take_slots(slot_pos, idx)
+    k: jax.Array  # [B, K, n, H] storage
+    v: jax.Array  # [B, K, n, H] storage
+    slot_pos: jax.Array  # [B, K, n] int32
+    acc: jax.Array | None = None  # [B, K, n] float32 (`Policy.state`)
+    k_scale: jax.Array | None = None  # [B, K, n] float32 (8-bit caches)
+    v_scale: jax.Array | None = None  # [B, K, n] float32
 
 
-def take_slots(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x [B, K, n] (slot positions, per-key state), idx [B, K, m] -> [B, K, m]."""
-    return jnp.take_along_axis(x, idx, axis=-1)
+def layer_leaves(cache: KVCache, i: int) -> Layer:
+    """Layer i's per-slot leaves of `cache`."""
+
+    def at(xs):
+        return xs[i] if xs else None
+
+    return Layer(
+        cache.k[i],
+        cache.v[i],
+        cache.slot_pos[i],
+        at(cache.acc),
+        at(cache.k_scale),
+        at(cache.v_scale),
+    )
+
+
+def with_layers(cache: KVCache, per_layer) -> KVCache:
+    """`cache` with its per-slot leaves replaced by `per_layer` (L `Layer`s); the leaves a
+    Layer holds as None stay absent."""
+    cols = Layer(*(tuple(x) for x in zip(*per_layer, strict=True)))
+
+    def present(xs):
+        return () if xs[0] is None else xs
+
+    return dataclasses.replace(
+        cache,
+        k=cols.k,
+        v=cols.v,
+        slot_pos=cols.slot_pos,
+        acc=present(cols.acc),
+        k_scale=present(cols.k_scale),
+        v_scale=present(cols.v_scale),
+    )
+
+
+def layer_axes(layer: Layer) -> Layer:
+    """The logical axes of each present leaf of `layer` (for `sharding.local`)."""
+    return Layer(*(None if x is None else KV_AXES if x.ndim == 4 else SLOT_AXES for x in layer))
+
+
+def gather_layer(layer: Layer, idx: jax.Array, capacity: int | None = None) -> Layer:
+    """The picked slots idx [B, K, m] of every leaf of `layer`, padded to `capacity` slots
+    when given (empty: position -1, everything else 0)."""
+
+    def take(name, x):
+        if x is None:
+            return None
+        x = jnp.take_along_axis(x, idx[..., None] if x.ndim == 4 else idx, axis=2)
+        if capacity is None:
+            return x
+        return pad_slots(x, capacity, -1 if name == "slot_pos" else 0)
+
+    return Layer(*(take(name, x) for name, x in zip(Layer._fields, layer, strict=True)))
 
 
 def pad_slots(x: jax.Array, capacity: int, value=0) -> jax.Array:
@@ -164,13 +285,13 @@ def _replace_layer(xs: tuple, layer: int, x) -> tuple:
     return (*xs[:layer], x, *xs[layer + 1 :])
 
 
-def _append(k_buf, v_buf, sp_buf, k, v, pos, at):
-    """The three per-layer appends (`_write_at`): k, v [B, K, H], pos [B, K], at [B]."""
-    return _write_at(k_buf, k, at), _write_at(v_buf, v, at), _write_at(sp_buf, pos, at)
+def _append(bufs: tuple, news: tuple, at: jax.Array) -> tuple:
+    """The per-layer appends (`_write_at`): each buffer [B, K, C, ...] gets its new [B, K, ...]
+    at slot at[b] of row b."""
+    return tuple(_write_at(buf, new, at) for buf, new in zip(bufs, news, strict=True))
 
 
 _NEW_KV_AXES = ("batch", "kv_heads", "head_dim")
-_APPEND_IN = (KV_AXES, KV_AXES, SLOT_AXES, _NEW_KV_AXES, _NEW_KV_AXES, SLOT_AXES[:2], ROW_AXES)
 
 
 def write(
@@ -197,34 +318,54 @@ def write(
     # An out-of-range slot is dropped by the scatter (`_write_at`), so a row that does not go
     # writes nothing.
     at = cache.length if go is None else jnp.where(go, cache.length, cache.capacity)
+    k_new, k_scale = store(k[:, 0], cache.dtype)  # [B, K, H], [B, K] | None
+    v_new, v_scale = store(v[:, 0], cache.dtype)
+    bufs = [cache.k[layer], cache.v[layer], cache.slot_pos[layer]]
+    news = [k_new, v_new, jnp.broadcast_to(cache.pos[:, None], (b, kh))]
+    bufs_axes = [KV_AXES, KV_AXES, SLOT_AXES]
+    news_axes = [_NEW_KV_AXES, _NEW_KV_AXES, SLOT_AXES[:2]]
+    if cache.quantized:
+        bufs += [cache.k_scale[layer], cache.v_scale[layer]]
+        news += [k_scale, v_scale]
+        bufs_axes += [SLOT_AXES] * 2
+        news_axes += [SLOT_AXES[:2]] * 2
     # Per device under a mesh: the automatic partitioner did not see that the scatter's rows and
     # heads follow the cache's sharding, and all-gathered the new keys, values and indices of
     # every layer on every step.
-    append = sharding.local(_append, rules, _APPEND_IN, (KV_AXES, KV_AXES, SLOT_AXES))
-    new_k, new_v, new_sp = append(
-        cache.k[layer],
-        cache.v[layer],
-        cache.slot_pos[layer],
-        layers.as_storage(k[:, 0].astype(cache.dtype)),  # [B, K, H]
-        layers.as_storage(v[:, 0].astype(cache.dtype)),
-        jnp.broadcast_to(cache.pos[:, None], (b, kh)),
-        at,  # [B] each row writes at its own slot
+    append = sharding.local(
+        _append, rules, (tuple(bufs_axes), tuple(news_axes), ROW_AXES), tuple(bufs_axes)
     )
-    q_win = cache.q_win
-    if q_win:
-        ring = q_win[layer]  # [B, N, W, H]; order inside the ring does not matter to scoring
-        q_new = jnp.swapaxes(q, 1, 2).astype(ring.dtype)  # [B, N, 1, H]
-        shifted = jnp.concatenate([ring[:, :, 1:], q_new], axis=2)
-        if go is not None:
-            shifted = jnp.where(go[:, None, None, None], shifted, ring)
-        q_win = _replace_layer(q_win, layer, shifted)
-    return dataclasses.replace(
-        cache,
+    written = append(tuple(bufs), tuple(news), at)  # each row writes at its own slot
+    new_k, new_v, new_sp = written[:3]
+    out = dict(
         k=_replace_layer(cache.k, layer, new_k),
         v=_replace_layer(cache.v, layer, new_v),
         slot_pos=_replace_layer(cache.slot_pos, layer, new_sp),
-        q_win=q_win,
     )
+    if cache.quantized:
+        out["k_scale"] = _replace_layer(cache.k_scale, layer, written[3])
+        out["v_scale"] = _replace_layer(cache.v_scale, layer, written[4])
+    if cache.q_win:
+        # Order inside the ring does not matter to scoring.
+        q_new, q_scale = store_queries(jnp.swapaxes(q, 1, 2), cache.dtype)  # [B, N, 1, H]
+        out["q_win"] = _replace_layer(
+            cache.q_win, layer, _shift_in(cache.q_win[layer], q_new, go, axis=2)
+        )
+        if cache.quantized:
+            out["q_scale"] = _replace_layer(
+                cache.q_scale, layer, _shift_in(cache.q_scale[layer], q_scale, go, axis=2)
+            )
+    return dataclasses.replace(cache, **out)
+
+
+def _shift_in(ring: jax.Array, new: jax.Array, go: jax.Array | None, axis: int) -> jax.Array:
+    """ring [B, ...] with its oldest entry along `axis` dropped and `new` (size 1 there)
+    appended, for the rows in `go` [B] bool (None: all)."""
+    rest = jax.lax.slice_in_dim(ring, 1, ring.shape[axis], axis=axis)
+    shifted = jnp.concatenate([rest, new.astype(ring.dtype)], axis=axis)
+    if go is None:
+        return shifted
+    return jnp.where(go.reshape((-1,) + (1,) * (ring.ndim - 1)), shifted, ring)
 
 
 def add_attention(cache: KVCache, layer: int, weights: jax.Array, go: jax.Array | None) -> KVCache:
@@ -249,19 +390,7 @@ def advance(cache: KVCache, go: jax.Array | None = None) -> KVCache:
 
 def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
     """The cache of rows [R] int32 (indices into B; clipped) as an R-row cache."""
-    take = lambda xs: tuple(x[rows] for x in xs)
-    return dataclasses.replace(
-        cache,
-        k=take(cache.k),
-        v=take(cache.v),
-        slot_pos=take(cache.slot_pos),
-        q_win=take(cache.q_win),
-        acc=take(cache.acc),
-        length=cache.length[rows],
-        pos=cache.pos[rows],
-        prompt=cache.prompt[rows],
-        seed=cache.seed[rows],
-    )
+    return jax.tree.map(lambda x: x[rows], cache)
 
 
 def put_rows(cache: KVCache, rows: jax.Array, new: KVCache) -> KVCache:
@@ -270,43 +399,35 @@ def put_rows(cache: KVCache, rows: jax.Array, new: KVCache) -> KVCache:
     Under `jit` with the cache donated the scatter writes in place: admitting a request into
     a slot moves only that row."""
 
-    def put(xs, ys):
-        return tuple(x.at[rows].set(y, mode="drop") for x, y in zip(xs, ys, strict=True))
-
-    return dataclasses.replace(
-        cache,
-        k=put(cache.k, new.k),
-        v=put(cache.v, new.v),
-        slot_pos=put(cache.slot_pos, new.slot_pos),
-        q_win=put(cache.q_win, new.q_win),
-        acc=put(cache.acc, new.acc),
-        length=cache.length.at[rows].set(new.length, mode="drop"),
-        pos=cache.pos.at[rows].set(new.pos, mode="drop"),
-        prompt=cache.prompt.at[rows].set(new.prompt, mode="drop"),
-        seed=cache.seed.at[rows].set(new.seed, mode="drop"),
-    )
+    return jax.tree.map(lambda x, y: x.at[rows].set(y, mode="drop"), cache, new)
 
 
 def empty(
     cfg: ModelConfig, rows: int, capacity: int, dtype, window: int, state: bool = False
 ) -> KVCache:
-    """A cache of `rows` empty rows (every slot -1); `window` 0 for methods without queries,
-    `state` for methods that keep a per-key state (`Policy.state`)."""
-    storage = layers.as_storage(jnp.zeros((), dtype)).dtype
+    """A cache of `rows` empty rows (every slot -1) storing `dtype`; `window` 0 for methods
+    without queries, `state` for methods that keep a per-key state (`Policy.state`)."""
+    storage = quantization.storage_dtype(dtype)
+    scaled = quantization.is_quantized(dtype)
     n, k, h = cfg.num_layers, cfg.kv_heads, cfg.head_dim
 
-    def zeros(shape, dt):
+    def zeros(shape, dt, present=True):
+        if not present:
+            return ()
         return tuple(jnp.zeros(shape, dt) for _ in range(n))  # distinct buffers: donated
 
     return KVCache(
         k=zeros((rows, k, capacity, h), storage),
         v=zeros((rows, k, capacity, h), storage),
         slot_pos=tuple(jnp.full((rows, k, capacity), -1, jnp.int32) for _ in range(n)),
-        q_win=zeros((rows, cfg.q_heads, window, h), dtype) if window else (),
-        acc=zeros((rows, k, capacity), jnp.float32) if state else (),
+        q_win=zeros((rows, cfg.q_heads, window, h), storage if scaled else dtype, window > 0),
+        acc=zeros((rows, k, capacity), jnp.float32, state),
         length=jnp.zeros((rows,), jnp.int32),
         pos=jnp.zeros((rows,), jnp.int32),
         prompt=jnp.zeros((rows,), jnp.int32),
         seed=jnp.zeros((rows,), jnp.uint32),
         dtype=dtype,
+        k_scale=zeros((rows, k, capacity), jnp.float32, scaled),
+        v_scale=zeros((rows, k, capacity), jnp.float32, scaled),
+        q_scale=zeros((rows, cfg.q_heads, window), jnp.float32, scaled and window > 0),
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rkvjax import checks, policies
+from rkvjax import checks, policies, quantization
 from rkvjax.defaults import ANSWER_SLOTS, BUFFER, SHARE, WINDOW
 
 
@@ -94,8 +94,12 @@ class CompressionConfig:
     # What the compression is compiled for (a `kernels.tuning.Target`): a runtime sets it from
     # its devices; None (a call of its own) reads the process's default device when traced.
     target: Any = None
+    # The cache's storage type (`quantization.KV_DTYPES`; None: the model's dtype), for every
+    # method: int8 and float8_e4m3fn keep a float32 scale per (token, head) beside the codes.
+    kv_dtype: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "kv_dtype", quantization.check_kv_dtype(self.kv_dtype))
         if self.method == "full":
             if self.policy is not None:
                 raise ValueError(f"method 'full' takes no policy, got {self.policy!r}")
@@ -146,6 +150,7 @@ def compression_config(
     answer_slots: int | None = None,
     pallas: bool | None = None,
     share: str = SHARE,
+    kv_dtype: str | None = None,
     **options,
 ) -> CompressionConfig:
     """The one place user-facing cache settings become a validated `CompressionConfig`.
@@ -155,7 +160,8 @@ def compression_config(
     rounded, and at least `window + 1`. `options` are the method's hyperparameters (R-KV's
     kernel, lam, threshold, retain; `rkvjax.policies.option_names(method)`): checked even when
     the cache is FullKV; R-KV's are taken for every method (the public signature names them)
-    and checked as R-KV's.
+    and checked as R-KV's. `kv_dtype` is the cache's storage type for every method, FullKV
+    included: "float32", "bfloat16", "int8" or "float8_e4m3fn" (None: the model's dtype).
 
     Raises:
       ValueError: naming the first bad setting.
@@ -163,13 +169,14 @@ def compression_config(
     if method not in method_names():
         raise ValueError(f"method must be one of {method_names()}, got {method!r}")
     checks.check_share(share)
+    kv_dtype = quantization.check_kv_dtype(kv_dtype)
     if method == "full":
         policies.check_unused(options)
         policy = None
     else:
         policy = policies.resolve(method, **options)
     if budget is None or method == "full":
-        return CompressionConfig(method="full")
+        return CompressionConfig(method="full", kv_dtype=kv_dtype)
     if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
         raise ValueError(f"budget must be an int (tokens) or a float in (0, 1], got {budget!r}")
     if isinstance(budget, (float, np.floating)):
@@ -192,4 +199,5 @@ def compression_config(
         if think_end_id is not None
         else 0,
         pallas=pallas,
+        kv_dtype=kv_dtype,
     )

@@ -150,17 +150,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_axis: int, weights=False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    kv_axis: int,
+    weights=False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ):
     """Grouped-query attention with an explicit boolean mask, softmax in float32.
 
     Args:
       q: [B, T, N, H] queries (post-RoPE).
       k, v: keys/values, either [B, S, K, H] (`kv_axis=1`, a full forward) or [B, K, S, H]
-        (`kv_axis=2`, the cache layout).
+        (`kv_axis=2`, the cache layout); with scales, an 8-bit cache's codes.
       mask: [B, T, S] or [B, K, T, S]: True where the query may attend to the key.
       kv_axis: where the key axis S sits in k and v.
       weights: also return the attention each key received (static).
+      k_scale, v_scale: [B, K, S] float32 scales of 8-bit codes (`kv_axis=2` only), or None.
+        A key's scale multiplies its scores and a value's its softmax weight, so the products
+        read the codes (as q's dtype, which holds every 8-bit value exactly) and no
+        dequantized copy of the cache is made.
 
     Returns:
       [B, T, N, H] in q's dtype; with `weights`, also float32 [B, K, S]: each key's softmax
@@ -178,12 +190,20 @@ def attention(
         # measured slower at batch 8.
         qg, q_spec = qg.transpose(0, 2, 3, 1, 4), "BKGTH"
     kv_spec = "BSKH" if kv_axis == 1 else "BKSH"
+    if k_scale is not None:
+        k = k.astype(q.dtype)
     logits = jnp.einsum(f"{q_spec},{kv_spec}->BKGTS", qg, k, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / math.sqrt(h))
+    if k_scale is not None:
+        logits = logits * k_scale[:, :, None, None, :]  # [B, K, 1, 1, S]
     m = mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]  # [B, K|1, 1, T, S]
     logits = jnp.where(m, logits, MASK_VALUE)
     probs32 = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S]
-    probs = probs32.astype(v.dtype)
+    if v_scale is None:
+        probs = probs32.astype(v.dtype)
+    else:
+        probs = (probs32 * v_scale[:, :, None, None, :]).astype(q.dtype)
+        v = v.astype(q.dtype)
     # Output in the scores' order: asked for [B, T, K, G, H] directly, XLA:CPU computed the
     # transposed product and so copied every layer's V cache into [K, H, S] on each decode step.
     out = jnp.einsum(f"BKGTS,{kv_spec}->BKGTH", probs, v, preferred_element_type=jnp.float32)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from rkvjax import cache as kv
-from rkvjax import compression, layers, policies, sharding
+from rkvjax import compression, policies, quantization, sharding
 from rkvjax.config import CompressionConfig
 
 
@@ -107,17 +107,6 @@ def _select_layers(
     return [kv.valid_first(i, sp) for i, sp in zip(idx, sps, strict=True)], states
 
 
-def _gather(k, v, sp, acc, idx, capacity: int | None = None):
-    """The picked slots idx [B, K, m] of one layer's keys, values, positions and per-key state
-    (None: none), padded to `capacity` slots when given (empty: position -1, state 0)."""
-    out = [*kv.gather_slots(k, v, sp, idx), None if acc is None else kv.take_slots(acc, idx)]
-    if capacity is None:
-        return tuple(out)
-    gk, gv, gsp, ga = out
-    pad = functools.partial(kv.pad_slots, capacity=capacity)
-    return pad(gk), pad(gv), pad(gsp, value=-1), None if ga is None else pad(ga)
-
-
 def _mean_over_heads(score: jax.Array, heads_axis) -> jax.Array:
     """[B, K, m] scores (-inf: not there) -> their mean over the KV heads, in every head.
 
@@ -155,6 +144,8 @@ def prefill_cache(
     lengths start at different fill levels. A compressing method whose prompt bucket exceeds the
     budget runs one compression on the prompt (observation = its last W queries); rows no longer
     than the budget keep every token, since a selection never evicts while the candidates fit.
+    The keys, values and queries are stored as `cc.kv_dtype` says first, and a compression
+    scores what is stored (an 8-bit cache's dequantized keys), as every later one does.
 
     Args:
       ks, vs: L x [B, P, K, H] post-RoPE keys and values of the prompt.
@@ -172,69 +163,77 @@ def prefill_cache(
     """
     b, p, kh, _ = ks[0].shape
     n = len(ks)
+    dtype = quantization.cache_dtype(cc.kv_dtype, ks[0].dtype)
     sp = jnp.broadcast_to(positions[:, None, :], (b, kh, p)).astype(jnp.int32)  # [B, K, P]
     lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)  # [B]
     seeds = jnp.zeros((b,), jnp.uint32) if seeds is None else seeds.astype(jnp.uint32)
     rows = Rows(lengths, lengths, seeds)
     w = cc.window
-    q_win = tuple(jnp.swapaxes(q[:, p - w :], 1, 2) for q in qs) if cc.compressing else ()
-    k_in = tuple(jnp.swapaxes(k, 1, 2) for k in ks)  # L x [B, K, P, H]
-    v_in = tuple(jnp.swapaxes(v, 1, 2) for v in vs)
-    squeeze = cc.compressing and p > cc.budget
+    q_win, q_scale = (), ()
+    if cc.compressing:
+        stored = [kv.store_queries(jnp.swapaxes(q[:, p - w :], 1, 2), dtype) for q in qs]
+        q_win = tuple(x for x, _ in stored)  # L x [B, N, W, H]
+        q_scale = tuple(x for _, x in stored) if quantization.is_quantized(dtype) else ()
     accs = tuple(weights)  # L x [B, K, P] or ()
     if cc.state is not None and not accs:  # a state the compressions write: none yet
         accs = tuple(jnp.zeros((b, kh, p), jnp.float32) for _ in range(n))
-    acc_axes = (kv.SLOT_AXES,) * len(accs)
+    per_layer = []
+    for i in range(n):
+        k, k_scale = kv.store(jnp.swapaxes(ks[i], 1, 2), dtype)  # [B, K, P, H], [B, K, P]
+        v, v_scale = kv.store(jnp.swapaxes(vs[i], 1, 2), dtype)
+        per_layer.append(kv.Layer(k, v, sp, accs[i] if accs else None, k_scale, v_scale))
+    per_layer = tuple(per_layer)
+    layer_axes = tuple(map(kv.layer_axes, per_layer))
 
-    def squeeze_all(q_win, ks_, vs_, sp, accs, rows):
-        per_layer = accs or (None,) * n
+    def squeeze_all(q_win, q_scale, per_layer, rows):
+        queries = kv.read_queries(q_win, q_scale, dtype)
+        keys = [kv.read(x.k, x.k_scale, dtype) for x in per_layer]
         idx, states = _select_layers(
-            cc, q_win, ks_, [sp] * n, cc.budget, rows, per_layer, rules and rules.kv_heads
+            cc,
+            queries,
+            keys,
+            [x.slot_pos for x in per_layer],
+            cc.budget,
+            rows,
+            [x.acc for x in per_layer],
+            rules and rules.kv_heads,
         )
-        out = [
-            _gather(layers.as_storage(k), layers.as_storage(v), sp, a, i)
-            for k, v, a, i in zip(ks_, vs_, states, idx, strict=True)
-        ]
-        gk, gv, gsp, ga = (tuple(x) for x in zip(*out, strict=True))
-        return gk, gv, gsp, ga if accs else ()
+        return tuple(
+            kv.gather_layer(x._replace(acc=a), i, capacity)
+            for x, a, i in zip(per_layer, states, idx, strict=True)
+        )
 
+    squeeze = cc.compressing and p > cc.budget
     if squeeze:  # every layer under one shard_map: a shared set reads them all
-        gk, gv, gsp, ga = sharding.local(
+        per_layer = sharding.local(
             squeeze_all,
             rules,
             (
                 (kv.QWIN_AXES,) * n,
-                (kv.KV_AXES,) * n,
-                (kv.KV_AXES,) * n,
-                kv.SLOT_AXES,
-                acc_axes,
+                (kv.QSCALE_AXES,) * len(q_scale),
+                layer_axes,
                 (kv.ROW_AXES,) * 3,
             ),
-            ((kv.KV_AXES,) * n, (kv.KV_AXES,) * n, (kv.SLOT_AXES,) * n, acc_axes),
-        )(q_win, k_in, v_in, sp, accs, tuple(rows))
+            layer_axes,
+        )(q_win, q_scale, per_layer, tuple(rows))
     else:  # keep every token: only move the pads out
         order = jnp.argsort(sp < 0, axis=-1, stable=True)  # [B, K, P]
-        out = [
-            _gather(layers.as_storage(k), layers.as_storage(v), sp, a, order)
-            for k, v, a in zip(k_in, v_in, accs or (None,) * n, strict=True)
-        ]
-        gk, gv, gsp, ga = (tuple(x) for x in zip(*out, strict=True))
-        ga = ga if accs else ()
-    pad = functools.partial(kv.pad_slots, capacity=capacity)
+        per_layer = tuple(kv.gather_layer(x, order, capacity) for x in per_layer)
     kept = jnp.minimum(lengths, cc.budget) if squeeze else lengths
     cache = kv.KVCache(
-        k=tuple(map(pad, gk)),
-        v=tuple(map(pad, gv)),
-        slot_pos=tuple(pad(x, value=-1) for x in gsp),
+        k=(),
+        v=(),
+        slot_pos=(),
         q_win=q_win,
-        acc=tuple(map(pad, ga)),
+        acc=(),
         length=kept,
         pos=lengths,
         prompt=lengths,
         seed=seeds,
-        dtype=ks[0].dtype,
+        dtype=dtype,
+        q_scale=q_scale,
     )
-    return cache, kept < lengths
+    return kv.with_layers(cache, per_layer), kept < lengths
 
 
 def lane_count(slots: int, cc: CompressionConfig, data_shards: int = 1) -> int:
@@ -294,9 +293,10 @@ def compress_lanes(
     if num is None:
         num = jnp.zeros(full.shape, jnp.int32)
     budget, n = cc.budget, len(cache.k)
-    acc_axes = (kv.SLOT_AXES,) * len(cache.acc)
+    per_layer = tuple(kv.layer_leaves(cache, i) for i in range(n))
+    layer_axes = tuple(map(kv.layer_axes, per_layer))
 
-    def body(ks, vs, sps, qs, accs, full, length, num, rows, start):  # on a mesh: a device's
+    def body(per_layer, qs, q_scales, full, length, num, rows, start):  # on a mesh: a device's
         b = full.shape[0]
         offset = 0 if rules is None or rules.batch is None else jax.lax.axis_index(rules.batch) * b
         order = (jnp.arange(b) + start % b) % b  # [B] rows in priority order
@@ -304,44 +304,40 @@ def compress_lanes(
         picked_rows = jnp.where(pick < b, order[jnp.minimum(pick, b - 1)], b)  # b = no row
 
         def run(args):
-            ks, vs, sps, accs, length = args
+            per_layer, length = args
             at = jnp.minimum(picked_rows, b - 1)
-            picked = [tuple(x[at] for x in xs) for xs in (ks, vs, sps, qs, accs)]
+            take = functools.partial(jax.tree.map, lambda x: x[at])
             heads = rules.kv_heads if rules is not None else None
-            new_k, new_v, new_sp, new_acc, kept = _compress_block(
-                *picked, length[at], Rows(*(x[at] for x in rows)), cc, cache.dtype, heads
+            new_layers, kept = _compress_block(
+                take(per_layer),
+                take(qs),
+                take(q_scales),
+                length[at],
+                Rows(*(x[at] for x in rows)),
+                cc,
+                cache.dtype,
+                heads,
             )
-
-            def put(x, new):
-                return x.at[picked_rows].set(new, mode="drop")
-
-            return (
-                tuple(map(put, ks, new_k)),
-                tuple(map(put, vs, new_v)),
-                tuple(map(put, sps, new_sp)),
-                tuple(map(put, accs, new_acc)),
-                length.at[picked_rows].set(kept, mode="drop"),
+            put = functools.partial(
+                jax.tree.map, lambda x, new: x.at[picked_rows].set(new, mode="drop")
             )
+            return put(per_layer, new_layers), length.at[picked_rows].set(kept, mode="drop")
 
-        ks, vs, sps, accs, length = jax.lax.cond(
-            jnp.any(full), run, lambda args: args, (ks, vs, sps, accs, length)
-        )
+        per_layer, length = jax.lax.cond(jnp.any(full), run, lambda args: args, (per_layer, length))
         fired = jnp.zeros((b,), bool).at[picked_rows].set(True, mode="drop")
         at = jnp.minimum(picked_rows, b - 1)
-        log = jnp.stack([sp[at, :, :budget] for sp in sps], axis=1)
+        log = jnp.stack([x.slot_pos[at, :, :budget] for x in per_layer], axis=1)
         lane_rows = jnp.where(picked_rows < b, picked_rows + offset, jnp.iinfo(jnp.int32).max)
         lane_num = jnp.where(picked_rows < b, num[at], 0)
-        return ks, vs, sps, accs, length, fired, lane_rows.astype(jnp.int32), lane_num, log
+        return per_layer, length, fired, lane_rows.astype(jnp.int32), lane_num, log
 
     run = sharding.local(
         body,
         rules,
         (
-            (kv.KV_AXES,) * n,
-            (kv.KV_AXES,) * n,
-            (kv.SLOT_AXES,) * n,
+            layer_axes,
             (kv.QWIN_AXES,) * n,
-            acc_axes,
+            (kv.QSCALE_AXES,) * len(cache.q_scale),
             kv.ROW_AXES,
             kv.ROW_AXES,
             kv.ROW_AXES,
@@ -349,10 +345,7 @@ def compress_lanes(
             (),
         ),
         (
-            (kv.KV_AXES,) * n,
-            (kv.KV_AXES,) * n,
-            (kv.SLOT_AXES,) * n,
-            acc_axes,
+            layer_axes,
             kv.ROW_AXES,
             kv.ROW_AXES,
             kv.ROW_AXES,
@@ -361,44 +354,33 @@ def compress_lanes(
         ),
     )
     rows = (cache.pos, cache.prompt, cache.seed)
-    ks, vs, sps, accs, length, fired, lane_rows, lane_num, log = run(
-        cache.k,
-        cache.v,
-        cache.slot_pos,
-        cache.q_win,
-        cache.acc,
-        full,
-        cache.length,
-        num,
-        rows,
-        start,
+    per_layer, length, fired, lane_rows, lane_num, log = run(
+        per_layer, cache.q_win, cache.q_scale, full, cache.length, num, rows, start
     )
-    cache = dataclasses.replace(cache, k=ks, v=vs, slot_pos=sps, acc=accs, length=length)
+    cache = dataclasses.replace(kv.with_layers(cache, per_layer), length=length)
     return cache, fired, lane_rows, lane_num, log
 
 
-def _compress_block(ks, vs, sps, qs, accs, length, rows: Rows, cc, dtype, heads_axis=None):
+def _compress_block(per_layer, qs, q_scales, length, rows: Rows, cc, dtype, heads_axis=None):
     """Brings every row of a block back to `budget` slots.
 
     Args:
-      ks, vs: L x [R, K, C, H] the rows' keys and values (storage dtype).
-      sps: L x [R, K, C] their slot positions.
-      qs: L x [R, N, W, H] their observation queries.
-      accs: L x [R, K, C] their per-key state, or () without one.
+      per_layer: L x the rows' `cache.Layer` ([R, K, C, ...], keys and values as stored).
+      qs: L x [R, N, W, H] their observation queries (as stored).
+      q_scales: L x [R, N, W] the queries' scales (8-bit caches), or ().
       length: [R] int32 occupied slots.
       rows: the rows' positions, prompt lengths and seeds.
       cc: compression settings (static).
-      dtype: the keys' dtype (static; the cache stores bfloat16 as uint16).
+      dtype: what the cache stores (static): scoring reads `cache.read` of it, float32
+        dequantized for an 8-bit cache.
       heads_axis: the mesh axis of the KV heads inside `shard_map` (for kept sets shared
         over heads).
 
     Returns:
-      (ks, vs, sps, accs) compacted, each row's kept tokens first in position order, and the
-      new length [R] (equal for every layer and KV head).
+      (L x `cache.Layer` compacted, each row's kept tokens first in position order, the new
+      length [R] (equal for every layer and KV head)).
     """
-    c = ks[0].shape[2]
-    has_acc = bool(accs)
-    accs = accs or (None,) * len(ks)
+    c = per_layer[0].k.shape[2]
     # select() reads the last W slots as the observation window. A row compressed below the
     # capacity (think-only: trigger < capacity) holds its newest tokens at
     # [length - W, length): rotate it to end at slot C - 1 first (empty slots go first).
@@ -406,25 +388,25 @@ def _compress_block(ks, vs, sps, qs, accs, length, rows: Rows, cc, dtype, heads_
     if c > cc.trigger:
         roll = (jnp.arange(c)[None, :] + length[:, None]) % c  # [R, C]
 
-    def rolled(k, v, sp, a):
+    def rolled(x: kv.Layer) -> kv.Layer:
         if roll is None:
-            return k, v, sp, a
-        return _gather(k, v, sp, a, jnp.broadcast_to(roll[:, None], sp.shape))
+            return x
+        return kv.gather_layer(x, jnp.broadcast_to(roll[:, None], x.slot_pos.shape))
 
+    queries = kv.read_queries(qs, q_scales, dtype)
     out = []
     if cc.share == "none":  # layer by layer: one layer's temporaries live at a time
-        for i, (k, v, sp, q, a) in enumerate(zip(ks, vs, sps, qs, accs, strict=True)):
-            k, v, sp, a = rolled(k, v, sp, a)
-            keys = layers.from_storage(k, dtype)
-            idx, a = _select(cc, q, keys, sp, cc.budget, rows, a, i, heads_axis)
-            out.append(_gather(k, v, sp, a, idx, c))
+        for i, (x, q) in enumerate(zip(per_layer, queries, strict=True)):
+            x = rolled(x)
+            keys = kv.read(x.k, x.k_scale, dtype)
+            idx, a = _select(cc, q, keys, x.slot_pos, cc.budget, rows, x.acc, i, heads_axis)
+            out.append(kv.gather_layer(x._replace(acc=a), idx, c))
     else:  # every layer's scores first
-        all_rolled = [rolled(*x) for x in zip(ks, vs, sps, accs, strict=True)]
-        ks, vs, sps, accs = (tuple(x) for x in zip(*all_rolled, strict=True))
-        keys = [layers.from_storage(k, dtype) for k in ks]
-        idxs, states = _select_layers(cc, qs, keys, sps, cc.budget, rows, accs, heads_axis)
-        for k, v, sp, a, idx in zip(ks, vs, sps, states, idxs, strict=True):
-            out.append(_gather(k, v, sp, a, idx, c))
-    out_k, out_v, out_sp, out_acc = (tuple(x) for x in zip(*out, strict=True))
-    kept = jnp.sum(out_sp[0][:, 0] >= 0, axis=-1).astype(jnp.int32)  # [R]
-    return out_k, out_v, out_sp, out_acc if has_acc else (), kept
+        per_layer = [rolled(x) for x in per_layer]
+        keys = [kv.read(x.k, x.k_scale, dtype) for x in per_layer]
+        sps, accs = [x.slot_pos for x in per_layer], [x.acc for x in per_layer]
+        idxs, states = _select_layers(cc, queries, keys, sps, cc.budget, rows, accs, heads_axis)
+        for x, a, idx in zip(per_layer, states, idxs, strict=True):
+            out.append(kv.gather_layer(x._replace(acc=a), idx, c))
+    kept = jnp.sum(out[0].slot_pos[:, 0] >= 0, axis=-1).astype(jnp.int32)  # [R]
+    return tuple(out), kept

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import monitoring
 
 from rkvjax import cache as kv
-from rkvjax import layers, policy, sampling, sharding
+from rkvjax import layers, policy, quantization, sampling, sharding
 from rkvjax.config import CompressionConfig
 
 # Incremented at trace time only: tests use it to prove a run compiled each function once.
@@ -259,10 +259,12 @@ def _cache_attend(i, q, k, v, cache: kv.KVCache, rules=None, go=None, received=F
     with `received`, add the weights to the keys' sums: `Policy.state == "attention"`)."""
     with jax.named_scope("cache_append"):
         cache = kv.write(cache, i, q, k, v, rules, go)
-    args = (q, cache.keys(i), cache.values(i), cache.attend_mask(i))
+    k, v, k_scale, v_scale = cache.attend_kv(i)
+    args = (q, k, v, cache.attend_mask(i))
+    kw = dict(kv_axis=2, k_scale=k_scale, v_scale=v_scale)
     if not received:
-        return layers.attention(*args, kv_axis=2), cache
-    out, w = layers.attention(*args, kv_axis=2, weights=True)
+        return layers.attention(*args, **kw), cache
+    out, w = layers.attention(*args, **kw, weights=True)
     return out, kv.add_attention(cache, i, w, go)
 
 
@@ -283,7 +285,7 @@ def init_state(model, *, slots, capacity, stop_width, given_len, plan: Plan) -> 
     TRACES["init_state"] += 1
     model = _model(model)
     cfg, cc = model.cfg, plan.compression
-    dtype = model.embed[...].dtype
+    dtype = quantization.cache_dtype(cc.kv_dtype, model.embed[...].dtype)
     cache = kv.empty(
         cfg, slots, capacity, dtype, cc.window if cc.compressing else 0, cc.state is not None
     )
