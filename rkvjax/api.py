@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rkvjax import programs, requests, runtime
+from rkvjax import programs, quantization, requests, runtime
 from rkvjax.config import CompressionConfig, compression_config
 from rkvjax.defaults import BUFFER, WINDOW
 from rkvjax.loading import DEFAULT_MODEL, Model, as_dtype, load
@@ -76,14 +76,22 @@ def _think_end_id(model: Model, token: str | int) -> int:
 
 
 def _slot_bytes(
-    model: Model, capacity: int, window: int, penalties: bool, state: bool = False
+    model: Model,
+    capacity: int,
+    window: int,
+    penalties: bool,
+    state: bool = False,
+    kv_dtype: str | None = None,
 ) -> int:
     """Device bytes one slot holds: its K/V cache, slot positions, per-key state (`state`:
-    a method that keeps one) and query ring."""
+    a method that keeps one) and query ring, stored as `kv_dtype` (None: the model's dtype;
+    an 8-bit cache adds a float32 scale per vector)."""
     cfg = model.config
-    item = np.dtype(model.dtype).itemsize
-    per_layer = cfg.kv_heads * capacity * (2 * cfg.head_dim * item + 4 + (4 if state else 0))
-    per_layer += cfg.q_heads * window * cfg.head_dim * item
+    dtype = quantization.cache_dtype(kv_dtype, model.dtype)
+    # Bytes of one stored vector of head_dim numbers, its scale included.
+    vector = cfg.head_dim * dtype.itemsize + (4 if quantization.is_quantized(dtype) else 0)
+    per_layer = cfg.kv_heads * capacity * (2 * vector + 4 + (4 if state else 0))
+    per_layer += cfg.q_heads * window * vector
     return cfg.num_layers * per_layer + (5 * cfg.vocab_size if penalties else 0)
 
 
@@ -110,7 +118,13 @@ def _device_memory(model: Model) -> int | None:
 
 
 def default_slots(
-    model: Model, samples: int, capacity: int, window: int, penalties: bool, state: bool = False
+    model: Model,
+    samples: int,
+    capacity: int,
+    window: int,
+    penalties: bool,
+    state: bool = False,
+    kv_dtype: str | None = None,
 ) -> int:
     """Every sample at once when their caches fit in half of each device's memory (less the
     weights), else the largest power of two of rows that does (at least one per data shard).
@@ -118,7 +132,7 @@ def default_slots(
     memory = _device_memory(model)
     fit = samples
     if memory is not None:
-        per_slot = _slot_bytes(model, capacity, window, penalties, state)
+        per_slot = _slot_bytes(model, capacity, window, penalties, state, kv_dtype)
         fit = int(memory * _MEMORY_SHARE * model.data_shards) // per_slot
         fit = 1 << (fit.bit_length() - 1) if fit else 0
     if jax.process_count() > 1:  # every process must build the same engine: process 0's count
@@ -180,7 +194,7 @@ def engine_for(
 ) -> runtime.Engine:
     """The Engine `generate` would build for these requests (arguments as in `generate`;
     `cache` holds its cache-policy keywords: method, budget, buffer, window, think_only,
-    think_end_token, answer_slots, pallas and the method's options). A fractional budget
+    think_end_token, answer_slots, pallas, kv_dtype and the method's options). A fractional budget
     and the FullKV length follow the longest prompt and max_tokens, and the engine's logprobs,
     penalties and stop-id width cover every request; `slot_cap` caps the default slot count;
     `prefill_by_length` and `narrow_tail` as in `Engine`.
@@ -201,7 +215,9 @@ def engine_for(
     if slots is None:
         window_slots = cc.window if cc.compressing else 0
         stateful = cc.state is not None
-        slots = default_slots(model, samples, capacity, window_slots, penalties, stateful)
+        slots = default_slots(
+            model, samples, capacity, window_slots, penalties, stateful, cc.kv_dtype
+        )
         if slot_cap is not None:
             slots = max(model.data_shards, min(slots, slot_cap))
     # At most the vocabulary: a request asking for more is refused by name when submitted.
@@ -240,6 +256,7 @@ def generate(
     answer_slots: int | None = None,
     pallas: bool | None = None,
     kernels: bool | None = None,
+    kv_dtype: str | None = None,
     max_new_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -283,6 +300,10 @@ def generate(
         only if its answer fills those too.
       pallas: run compression's redundancy and top-k as Pallas kernels (True), as jnp (False),
         or auto (None; see `rkvjax.scores.use_pallas`). `kernels` is its former name.
+      kv_dtype: what the cache stores, for every method (FullKV included): "float32",
+        "bfloat16", "int8" or "float8_e4m3fn" (None: the model's dtype). The 8-bit types keep
+        a float32 scale per (token, head) beside the codes: about half of bfloat16's bytes,
+        so about twice the default slots.
       max_new_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos:
         shorthand for `sampling` (defaults 256 tokens, greedy, no filters, seed 0; prompt i
         samples with seed + i). Not allowed together with `sampling`.
@@ -355,6 +376,7 @@ def generate(
         think_end_token=think_end_token,
         answer_slots=answer_slots,
         pallas=pallas,
+        kv_dtype=kv_dtype,
         chunk=chunk,
         lanes=lanes,
         record_kept=record_kept,
@@ -411,7 +433,8 @@ def score(
       budget, method: the cache policy, as in `generate`.
       return_dists: also return the full log-probability row of every step ([T, V] floats).
       slots: rows scored at once (default: every sequence).
-      **compression: buffer, window, kernel, lam, threshold, retain, pallas as in `generate`.
+      **compression: buffer, window, kv_dtype, pallas and the method's options (kernel, lam,
+        threshold, retain for R-KV) as in `generate`.
 
     Returns:
       A ScoreResult (a list for a batch) over the T = len(ids) - prompt_len scored tokens.

@@ -12,7 +12,18 @@ from pathlib import Path
 
 import jax
 
-from rkvjax import api, checks, defaults, evaluation, jobs, policies, requests, sharding, xla_flags
+from rkvjax import (
+    api,
+    checks,
+    defaults,
+    evaluation,
+    jobs,
+    policies,
+    quantization,
+    requests,
+    sharding,
+    xla_flags,
+)
 from rkvjax import serve as serve_defaults
 from rkvjax.config import compression_config, method_names
 from rkvjax.sampling import SamplingParams
@@ -88,6 +99,13 @@ def _add_generation_args(
         help="one kept set per (layer, KV head) (none, the default), per layer (heads: scores "
         "averaged over KV heads), per KV head (layers: scores summed over layers), or per row "
         "(all)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=quantization.KV_DTYPES,
+        default=None,
+        help="what the cache stores, for every method: int8 and float8_e4m3fn keep a float32 "
+        "scale per (token, head), about half of bfloat16's bytes (default: the model's dtype)",
     )
     p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
     s = p.add_argument_group("sampling (vLLM's SamplingParams; a job's lines may override them)")
@@ -402,7 +420,9 @@ def _cache(args: argparse.Namespace) -> dict:
         "budget": args.budget,
         "buffer": args.buffer,
         "think_only": args.think_only,
-        **({"share": args.share} if args.share != defaults.SHARE else {}),  # old headers match
+        # Only when given: the headers of jobs written before these flags still match.
+        **({"share": args.share} if args.share != defaults.SHARE else {}),
+        **({"kv_dtype": args.kv_dtype} if args.kv_dtype is not None else {}),
         **options,
     }
 
@@ -486,6 +506,7 @@ def _generate(args: argparse.Namespace) -> int:
     results = [r for _, r in samples]
     s = results[0].stats
     policy = "FullKV" if s.budget is None else f"{s.method} budget {s.budget}"
+    policy += f", {s.kv_dtype} cache" if s.kv_dtype != model.dtype.__name__ else ""
     print(
         f"[rkvjax] {model.path.name} ({model.config.arch}, {model.dtype.__name__}, {policy}) | "
         f"batch {s.batch_size} | prompt tokens {sum(r.stats.prompt_tokens for r in results)} | "
@@ -603,6 +624,8 @@ def _eval_line(summary: dict, out_dir) -> str:
     policy = (
         "FullKV" if summary["budget"] is None else f"{summary['method']} budget {summary['budget']}"
     )
+    if summary.get("kv_dtype") != summary["settings"].get("dtype"):
+        policy += f", {summary['kv_dtype']} cache"
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"

@@ -25,6 +25,7 @@ class GenerationStats:
     decode_s: float  # run: wall time, compilation excluded
     tokens_per_s: float  # run: generated tokens / decode_s
     compile_s: float  # run: compilation during the run (0 once shapes have been seen)
+    kv_dtype: str | None = None  # run: what the cache stored (float32, bfloat16, int8, ...)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -174,6 +174,8 @@ def run_eval(
         **metrics.summarize(lines, problems, samples),
         "method": "full" if budget is None else cache.get("method", "rkv"),
         "budget": budget,
+        # What the cache stored: the --kv-dtype given, else the model's dtype.
+        "kv_dtype": cache.get("kv_dtype") or (settings or {}).get("dtype"),
         "data": str(data),
         "output": str(out_dir / SAMPLES_FILE),
         "samples_written": job["samples_written"],

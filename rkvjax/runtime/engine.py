@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rkvjax import policy, programs, requests
+from rkvjax import policy, programs, quantization, requests
 from rkvjax.config import CompressionConfig
 from rkvjax.detokenize import StopWatcher, TextStream
 from rkvjax.kernels import tuning
@@ -170,6 +170,8 @@ class Engine:
         self.capacity = capacity
         self.chunk = chunk
         self.compression = cc
+        # What the cache stores: the config's kv_dtype or, by default, the model's dtype.
+        self.kv_dtype = quantization.cache_dtype(cc.kv_dtype, model.dtype).name
         self.plan = programs.Plan(
             compression=cc,
             lanes=lanes,
@@ -525,6 +527,7 @@ class Engine:
         return RunInfo(
             method=cc.method,
             budget=cc.budget if cc.compressing else None,
+            kv_dtype=self.kv_dtype,
             capacity=self.capacity,
             batch_size=self.scheduler.peak_busy,
             decode_s=st.wall_s - st.compile_s,

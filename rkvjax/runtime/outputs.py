@@ -28,6 +28,7 @@ class RunInfo:
 
     method: str
     budget: int | None
+    kv_dtype: str  # what the cache stores
     capacity: int  # cache slots per (layer, KV head, row)
     batch_size: int  # rows decoded together at most
     decode_s: float
@@ -219,6 +220,7 @@ class OutputProcessor:
             decode_s=run.decode_s,
             tokens_per_s=run.tokens_per_s,
             compile_s=run.compile_s,
+            kv_dtype=run.kv_dtype,
         )
         kept = None
         if self.kept_shape is not None:
