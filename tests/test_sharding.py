@@ -54,13 +54,15 @@ def load_sharded(folder):
 
 @pytest.fixture(scope="module")
 def reference(single):
-    """method -> one-device generation of PROMPTS (computed once per method)."""
+    """(method, kv_dtype) -> one-device generation of PROMPTS (computed once for each)."""
     done = {}
 
-    def get(method: str):
-        if method not in done:
-            done[method] = rkvjax.generate(single, PROMPTS, method=method, **GEN)
-        return done[method]
+    def get(method: str, kv_dtype: str | None = None):
+        if (method, kv_dtype) not in done:
+            done[method, kv_dtype] = rkvjax.generate(
+                single, PROMPTS, method=method, kv_dtype=kv_dtype, **GEN
+            )
+        return done[method, kv_dtype]
 
     return get
 
@@ -90,17 +92,20 @@ def test_logits_match_one_device(single, load_sharded, shape):
 
 
 @pytest.mark.parametrize(
-    "shape,method",
+    "shape,method,kv_dtype",
     [
-        ((4, 2), "rkv"),
-        ((2, 2), "snapkv"),
-        ((1, 2), "streaming"),
+        ((4, 2), "rkv", None),
+        ((2, 2), "snapkv", None),
+        ((1, 2), "streaming", None),
+        # An 8-bit cache's scales are split and moved like the keys they belong to.
+        ((4, 2), "rkv", "int8"),
+        ((1, 2), "h2o", "float8_e4m3fn"),
     ],
     ids=str,
 )
-def test_generate_matches_one_device(reference, load_sharded, shape, method):
-    want = reference(method)
-    got = rkvjax.generate(load_sharded(*shape), PROMPTS, method=method, **GEN)
+def test_generate_matches_one_device(reference, load_sharded, shape, method, kv_dtype):
+    want = reference(method, kv_dtype)
+    got = rkvjax.generate(load_sharded(*shape), PROMPTS, method=method, kv_dtype=kv_dtype, **GEN)
     assert len(got) == len(PROMPTS)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.stats.compressions for r in got] == [r.stats.compressions for r in want]
@@ -203,8 +208,15 @@ def _compiled_decode_on_mesh(model, monkeypatch, method="rkv", **options) -> str
         return real.lower(model.decoder, state, steps=4, plan=plan).compile().as_text()
 
 
-@pytest.mark.parametrize("method", ["rkv", "h2o", "gkv", "triattention", "random"])
-def test_decode_step_gathers_nothing(load_sharded, monkeypatch, stats_of, method):
+@pytest.mark.parametrize(
+    "method,kv_dtype",
+    [
+        *[(m, None) for m in ("rkv", "h2o", "gkv", "triattention", "random")],
+        ("rkv", "int8"),
+    ],
+    ids=str,
+)
+def test_decode_step_gathers_nothing(load_sharded, monkeypatch, stats_of, method, kv_dtype):
     """On a mesh, a compiled decode chunk's only collectives are tensor parallelism's all-reduces
     of the attention and MLP outputs ([D, B, 1] each) and scalar flags, whatever the method:
     H2O's per-step sums of attention stay where their keys are. The cache append once
@@ -212,7 +224,7 @@ def test_decode_step_gathers_nothing(load_sharded, monkeypatch, stats_of, method
     automatic partitioner gathered the rows for the sampler and the output buffers."""
     m = load_sharded(4, 2)
     options = {"calibration": stats_of("llama")} if method == "triattention" else {}
-    hlo = _compiled_decode_on_mesh(m, monkeypatch, method, **options)
+    hlo = _compiled_decode_on_mesh(m, monkeypatch, method, kv_dtype=kv_dtype, **options)
     ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo)
     assert set(ops) == {"all-reduce"}, sorted(set(ops))
     shaped = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-reduce(?:-start)?\(", hlo)
