@@ -6,7 +6,9 @@ Each setting is one evaluation folder (samples.jsonl and summary.json, resumable
 outputs' 4-gram repetition and the share of looping samples side by side, with the paper's
 R1-Llama-8B MATH-500 pass@1 where it has the budget. The default model is far too small to
 solve MATH problems; the table is the harness, the numbers that matter come from a reasoning
-model on an accelerator.
+model on an accelerator. With --kv-dtypes every setting also runs with each cache storage type
+("model": the model's dtype), with the same seeds, so what an 8-bit cache does to the outputs'
+length and repetition reads off rows that differ only in it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import rkvjax
 from bench import common
-from rkvjax import defaults, evaluation
+from rkvjax import defaults, evaluation, quantization
 
 PREFER_MEMORY = True
 TINY = {
@@ -56,14 +58,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[128, 256])
     p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
     p.add_argument("--slots", type=int, default=None)
+    p.add_argument(
+        "--kv-dtypes",
+        nargs="+",
+        choices=["model", *quantization.KV_DTYPES],
+        default=["model"],
+        help="cache storage types to run every setting with (model: the model's dtype)",
+    )
 
 
 def _settings(args, model, name, folder) -> dict:
-    out = {"full": {"method": "full"}} if "full" in args.methods else {}
+    base = {"full": {"method": "full"}} if "full" in args.methods else {}
     for m in (m for m in args.methods if m != "full"):
         own = common.method_options(m, args, model, name, folder)
         for b in args.budgets:
-            out[f"{m}-{b}"] = {"method": m, "budget": b, "buffer": args.buffer, **own}
+            base[f"{m}-{b}"] = {"method": m, "budget": b, "buffer": args.buffer, **own}
+    out = {}
+    for label, cache in base.items():
+        for kv in args.kv_dtypes:
+            if kv == "model":  # the label and settings runs before --kv-dtypes had
+                out[label] = cache
+            else:
+                out[f"{label} {kv}"] = {**cache, "kv_dtype": kv}
     return out
 
 
@@ -98,13 +114,14 @@ def run(args, folder) -> list[dict]:
             "looping",
             "method",
             "budget",
+            "kv_dtype",
         )
         row = {
             "bench": "accuracy",
             "setting": label,
             "data": Path(args.data).name,
             "model": name,
-            **{k: s[k] for k in keys},
+            **{k: s.get(k) for k in keys},
             "tokens_per_s": s["runtime"].get("tokens_per_s"),
             "paper_math500_pass@1": PAPER_MATH500.get((s["method"], s["budget"])),
         }

@@ -102,10 +102,8 @@ class KVCache:
 KV_AXES = ("batch", "kv_heads", "cache_slots", "head_dim")
 SLOT_AXES = ("batch", "kv_heads", "cache_slots")
 QWIN_AXES = ("batch", "q_heads", "window", "head_dim")
+QSCALE_AXES = QWIN_AXES[:3]  # an 8-bit query ring's scales
 ROW_AXES = ("batch",)
-
-
-QSCALE_AXES = QWIN_AXES[:3]
 
 
 def read(x: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
