@@ -66,7 +66,10 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     qmax = QMAX[jnp.dtype(dtype).name]
     xf = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(xf), axis=-1) / qmax  # [...]
-    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    # A subnormal scale (max|x| below ~1e-36) has no finite inverse: such a vector is coded as
+    # zeros, as it is where denormals are flushed (XLA:CPU); 0 * inf would make NaN codes.
+    usable = scale >= jnp.finfo(jnp.float32).tiny
+    inv = jnp.where(usable, 1.0 / jnp.where(usable, scale, 1.0), 0.0)
     y = jnp.clip(xf * inv[..., None], -qmax, qmax)
     if jnp.dtype(dtype) == jnp.int8:
         codes = jnp.round(y).astype(jnp.int8)
