@@ -3,6 +3,11 @@
 Generates greedy (or, with --temperature, sampled) FullKV traces of MATH-500 chat prompts
 (cached in the suite's traces.json), then teacher-forces them with `rkvjax.score` under each
 method and budget, and compares each position's next-token distribution with FullKV's.
+
+With --kv-dtypes, every setting (FullKV and each method and budget) is scored again with each
+listed cache storage type (`kv_dtype`, e.g. int8 and float8_e4m3fn): besides the comparison with
+FullKV, those rows give the NLL increase per token, top-1 agreement and KL against the same
+setting with the model-dtype cache.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 
 import rkvjax
 from bench import common
-from rkvjax import checks, defaults
+from rkvjax import checks, defaults, quantization
 
 # The prompt the R-KV paper uses for MATH-500 (DeepSeek-R1 style).
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -49,6 +54,14 @@ def add_arguments(p) -> None:
     p.add_argument("--data", type=Path, default=common.DATA, help="math500.jsonl (problem field)")
     p.add_argument("--traces", type=Path, help="FullKV trace cache (default: traces.json here)")
     p.add_argument("--regenerate", action="store_true", help="ignore cached traces")
+    p.add_argument(
+        "--kv-dtypes",
+        nargs="*",
+        choices=quantization.KV_DTYPES,
+        default=[],
+        help="also score every setting with these cache storage types and compare each with the "
+        "same setting's model-dtype cache (default: the model's dtype only)",
+    )
 
 
 def problem_ids(model, args) -> list[list[int]]:
@@ -147,10 +160,31 @@ def compare(ref, res) -> dict:
         "kl_median": float(np.median(pooled)),
         "kl_p90": float(np.quantile(pooled, 0.9)),
         "nll_delta": float(np.average(dnll, weights=n)),  # trace NLL increase per token, nats
+        "nll_per_token": nll_per_token(res),
         "top1_agreement_rows": agree,
         "kl_mean_rows": [float(x.mean()) for x in kl],
+        "nll_delta_rows": dnll,
         "compressions_rows": [r.compressions for r in res],
         "peak_cache_slots_rows": [r.peak_cache_slots for r in res],
+    }
+
+
+def nll_per_token(res) -> float:
+    """The traces' mean NLL per scored token (nats), pooled over rows."""
+    return float(-np.mean(np.concatenate([r.logprobs for r in res])))
+
+
+def compare_same_setting(base, res) -> dict:
+    """Agreement, KL and NLL increase per token of `res` (a quantized cache) against `base`,
+    the same method and budget with the model-dtype cache."""
+    c = compare(base, res)
+    return {
+        "nll_increase_vs_model_dtype": c["nll_delta"],
+        "top1_agreement_vs_model_dtype": c["top1_agreement"],
+        "kl_mean_vs_model_dtype": c["kl_mean"],
+        "kl_p90_vs_model_dtype": c["kl_p90"],
+        "nll_increase_vs_model_dtype_rows": c["nll_delta_rows"],
+        "top1_agreement_vs_model_dtype_rows": c["top1_agreement_rows"],
     }
 
 
@@ -163,9 +197,11 @@ def run(args, folder) -> list[dict]:
     conts, info = full_traces(model, name, prompts, args)
     seqs = [p + c for p, c in zip(prompts, conts, strict=True)]
     lens = [len(p) for p in prompts]
+    model_dtype = np.dtype(model.dtype).name
     meta = {
         **common.run_meta(
             model=name,
+            model_dtype=model_dtype,
             buffer=args.buffer,
             window=args.window,
             lam=args.lam,
@@ -178,6 +214,35 @@ def run(args, folder) -> list[dict]:
         "new_tokens": args.new_tokens,
     }
     comp = {"buffer": args.buffer, "window": args.window, "share": args.share}
+    n_tokens = sum(map(len, conts))
+    rows = []
+
+    def emit(row: dict) -> None:
+        common.emit(row, folder)
+        rows.append(row)
+
+    def quantized(method: str, budget: int | None, ref, base, kw: dict) -> None:
+        """Scores the setting again with each --kv-dtypes cache: rows against FullKV (`ref`,
+        model dtype) and against the same setting's model-dtype run (`base`)."""
+        for kv_dtype in args.kv_dtypes:
+            res, wall = run_score(
+                model, seqs, lens, method=method, budget=budget, **kw, kv_dtype=kv_dtype
+            )
+            emit(
+                {
+                    "bench": "fidelity",
+                    "method": method,
+                    "budget": budget,
+                    "kv_dtype": kv_dtype,
+                    **compare(ref, res),
+                    **compare_same_setting(base, res),
+                    "score_wall_s": wall,
+                    "score_tokens_per_s": n_tokens / wall,
+                    "loadavg": os.getloadavg(),
+                    **meta,
+                }
+            )
+            del res
 
     ref, wall = run_score(model, seqs, lens, method="full")
     # The FullKV rescoring should predict its own greedy trace; less than 1 means argmax ties
@@ -185,37 +250,42 @@ def run(args, folder) -> list[dict]:
     # agrees less: it did not always take the argmax).
     same = [r.top1 == c for r, c in zip(ref, conts, strict=True)]
     self_agree = float(np.mean(np.concatenate(same)))
-    full_row = {
-        "bench": "fidelity",
-        "method": "full",
-        "budget": None,
-        **compare(ref, ref),
-        "full_vs_trace_agreement": self_agree,
-        "score_wall_s": wall,
-        "loadavg": os.getloadavg(),
-        **meta,
-    }
-    common.emit(full_row, folder)
-    rows = [full_row]
+    emit(
+        {
+            "bench": "fidelity",
+            "method": "full",
+            "budget": None,
+            "kv_dtype": None,  # the model's dtype (model_dtype)
+            **compare(ref, ref),
+            "full_vs_trace_agreement": self_agree,
+            "score_wall_s": wall,
+            "loadavg": os.getloadavg(),
+            **meta,
+        }
+    )
+    quantized("full", None, ref, ref, {})
     for budget in sorted(args.budgets):
         for method in args.methods:
             own = common.method_options(method, args, model, name, folder)
             if method == "rkv":  # --lam is R-KV's (G-KV has a lam of its own)
                 own["lam"] = args.lam
-            res, wall = run_score(model, seqs, lens, method=method, budget=budget, **comp, **own)
-            row = {
-                "bench": "fidelity",
-                "method": method,
-                "budget": budget,
-                **compare(ref, res),
-                "score_wall_s": wall,
-                "score_tokens_per_s": sum(map(len, conts)) / wall,
-                "loadavg": os.getloadavg(),
-                **meta,
-            }
-            del res  # [B, T, V] float32 log-probs: one method's worth at a time
-            common.emit(row, folder)
-            rows.append(row)
+            kw = {**comp, **own}
+            res, wall = run_score(model, seqs, lens, method=method, budget=budget, **kw)
+            emit(
+                {
+                    "bench": "fidelity",
+                    "method": method,
+                    "budget": budget,
+                    "kv_dtype": None,
+                    **compare(ref, res),
+                    "score_wall_s": wall,
+                    "score_tokens_per_s": n_tokens / wall,
+                    "loadavg": os.getloadavg(),
+                    **meta,
+                }
+            )
+            quantized(method, budget, ref, res, kw)
+            del res  # [B, T, V] float32 log-probs: one setting's worth at a time
     print(
         f"\n{name}: {len(seqs)} FullKV {_kind(args.temperature)} traces of {args.new_tokens} "
         f"tokens (prompts {lens}),"
@@ -226,6 +296,11 @@ def run(args, folder) -> list[dict]:
         file=sys.stderr,
     )
     return rows
+
+
+def _model_dtype_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the model-dtype cache (rows from before --kv-dtypes have no kv_dtype)."""
+    return [r for r in rows if r.get("kv_dtype") is None]
 
 
 def table(rows: list[dict]) -> str:
@@ -247,13 +322,49 @@ def table(rows: list[dict]) -> str:
         ("comps", lambda r: max(r["compressions_rows"]), "d"),
         ("wall s", "score_wall_s", ".0f"),
     ]
-    return f"{head}\n\n{common.markdown_table(rows, columns)}"
+    text = f"{head}\n\n{common.markdown_table(_model_dtype_rows(rows), columns)}"
+    quant = quantized_table(rows)
+    return f"{text}\n\n{quant}" if quant else text
+
+
+def quantized_table(rows: list[dict]) -> str | None:
+    """Each setting's NLL per token with the model-dtype cache, and per --kv-dtypes type the
+    NLL increase per token, top-1 agreement and mean KL against it (None without such rows)."""
+    kv_dtypes = list(dict.fromkeys(r["kv_dtype"] for r in rows if r.get("kv_dtype")))
+    if not kv_dtypes:
+        return None
+    by = {(r["method"], r["budget"], r.get("kv_dtype")): r for r in rows}
+    settings = []
+    for r in _model_dtype_rows(rows):
+        cells = {"method": r["method"], "budget": r["budget"], "nll": r.get("nll_per_token")}
+        for d in kv_dtypes:
+            q = by.get((r["method"], r["budget"], d), {})
+            cells[f"inc {d}"] = q.get("nll_increase_vs_model_dtype")
+            cells[f"top1 {d}"] = q.get("top1_agreement_vs_model_dtype")
+            cells[f"kl {d}"] = q.get("kl_mean_vs_model_dtype")
+        settings.append(cells)
+    short = {"float8_e4m3fn": "fp8"}
+    columns = [
+        ("method", "method", "s"),
+        ("budget", "budget", "d"),
+        (f"NLL/token ({rows[0].get('model_dtype', 'model dtype')})", "nll", ".4f"),
+    ]
+    for what, fmt in (("inc", "+.4f"), ("top1", ".4f"), ("kl", ".5f")):
+        label = {"inc": "+NLL", "top1": "top1", "kl": "KL"}[what]
+        columns += [(f"{label} {short.get(d, d)}", f"{what} {d}", fmt) for d in kv_dtypes]
+    head = (
+        "Each cache storage type against the model-dtype cache of the same method and budget: "
+        "NLL/token of the trace with the model-dtype cache; +NLL: its increase per token with "
+        "the other type (nats); top1: agreement of the next-token argmax; KL: mean "
+        "KL(model dtype || other type) per position."
+    )
+    return f"{head}\n\n{common.markdown_table(settings, columns)}"
 
 
 def plot(plt, rows: list[dict]):
     """Top-1 agreement and mean KL against the budget, one line per method."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    compressed = [r for r in rows if r["method"] != "full"]
+    compressed = [r for r in _model_dtype_rows(rows) if r["method"] != "full"]
     title = f"{rows[0]['model']}, {rows[0]['new_tokens']}-token traces"
     xlabel = "budget (tokens kept per layer and KV head)"
     common.lines(
