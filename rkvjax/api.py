@@ -465,7 +465,11 @@ def score(
         given_len=m,
         stop_width=1,
     )
-    params = [SamplingParams(temperature=0.0, max_tokens=len(c), ignore_eos=True) for c in conts]
+    # Seed 0 for every row: scoring is greedy, so the seed only feeds methods that draw at
+    # random, whose kept sets would otherwise differ from one call to the next.
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=len(c), ignore_eos=True, seed=0) for c in conts
+    ]
     prompts = [ids[:n] for ids, n in zip(seqs, lens, strict=True)]
     eng.submit_many(prompts, params, ids=list(range(len(seqs))), continuations=conts)
     results: list[ScoreResult | None] = [None] * len(seqs)

@@ -618,6 +618,19 @@ def test_kv_dtype_is_refused_before_tracing(llama):
     assert collections.Counter(programs.TRACES) == before
 
 
+def test_score_with_random_eviction_is_reproducible(llama):
+    """`score` fixes every row's seed, so random eviction keeps the same tokens on every call:
+    a comparison of two caches (as the fidelity suite makes between storage types) sees only
+    what differs between them, not two different draws."""
+    ids = _prompt(60, 3)
+    runs = [
+        rkvjax.score(llama, ids, prompt_len=12, method="random", budget=16, buffer=8)
+        for _ in range(2)
+    ]
+    assert runs[0].compressions >= 2
+    np.testing.assert_array_equal(runs[0].logprobs, runs[1].logprobs)
+
+
 def test_8bit_decode_scores_close_to_the_model_dtype(llama):
     """Teacher-forced through the decode path with a FullKV cache: kv_dtype="float32" on a
     float32 model is the model's dtype (the same numbers as None, bit for bit); an int8 cache
