@@ -27,7 +27,7 @@ import numpy as np
 
 import rkvjax
 from bench import checkpoints
-from rkvjax import config, policies, programs, requests
+from rkvjax import config, policies, programs, quantization, requests
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -159,11 +159,51 @@ def weight_bytes(model) -> int:
     return tree_bytes(nnx.state(model.decoder, nnx.Param))
 
 
-def kv_bytes(cfg, batch: int, capacity: int, itemsize: int, *, positions: bool = False) -> int:
-    """K and V of every layer over `capacity` slots, 2 L B K C H itemsize, plus with
-    `positions` each slot's int32 position, L B K C 4 (the cache's whole per-slot state)."""
+def kv_bytes(cfg, batch: int, capacity: int, dtype, *, positions: bool = False) -> int:
+    """K and V of every layer over `capacity` slots as a cache of `dtype` (a storage type, or
+    a float type's itemsize) keeps them, 2 L B K C H itemsize, plus for an 8-bit type its float32
+    scale per (token, KV head), 2 L B K C 4; with `positions` each slot's int32 position,
+    L B K C 4 (the cache's whole per-slot state). `cache_bytes` counts a built engine's."""
     slots = cfg.num_layers * batch * cfg.kv_heads * capacity
-    return 2 * slots * cfg.head_dim * itemsize + (4 * slots if positions else 0)
+    if isinstance(dtype, int):
+        itemsize, scale = dtype, 0
+    else:
+        itemsize = jnp.dtype(dtype).itemsize
+        scale = 4 if quantization.is_quantized(dtype) else 0
+    return 2 * slots * (cfg.head_dim * itemsize + scale) + (4 * slots if positions else 0)
+
+
+def cache_bytes(cache, *, positions: bool = True, queries: bool = False) -> int:
+    """Bytes of a cache (a `KVCache`, or its shapes from `Engine.state_shapes()`): keys and
+    values with their scales (an 8-bit cache's), with `positions` the slot positions, with
+    `queries` the observation ring and its scales. Not the per-row counters or a policy's
+    per-key state."""
+    parts = [cache.k, cache.v, cache.k_scale, cache.v_scale]
+    parts += [cache.slot_pos] if positions else []
+    parts += [cache.q_win, cache.q_scale] if queries else []
+    return tree_bytes(parts)
+
+
+def add_kv_dtype_argument(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """--kv-dtype: the cache's storage type (`rkvjax.quantization.KV_DTYPES`; default the
+    model's dtype); with `several`, one or more, each a setting of its own."""
+    kw = dict(nargs="+", default=[None]) if several else dict(default=None)
+    what = "cache storage types, side by side" if several else "cache storage type"
+    p.add_argument(
+        "--kv-dtype",
+        choices=quantization.KV_DTYPES,
+        help=f"{what} (default: the model's dtype; 8-bit: codes and a float32 scale per vector)",
+        **kw,
+    )
+
+
+def kv_dtype_name(kv_dtype: str | None, model_dtype) -> str:
+    """What a cache of `kv_dtype` stores, by name: the model's dtype when None."""
+    return quantization.cache_dtype(kv_dtype, model_dtype).name
+
+
+# Short names of the storage types, for table headers.
+KV_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "float8_e4m3fn": "fp8"}
 
 
 def max_rss_bytes() -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one pass of about eight minutes on one H200, most important
-# first (../shared/GPU_PLAN.md):
+# Everything that needs a GPU, in one pass of about nine minutes on one H200 (the limits add up
+# to 12), most important first (../shared/GPU_PLAN.md):
 #   1. the compiled Pallas kernels, the compression and the engine against their references
 #      (the `gpu`-marked tests, skipped on CPU, and the engine and policy suites on the GPU);
 #   2. the paper's throughput table at full shape: an R1-Llama-8B-shaped random-weight model in
@@ -9,7 +9,10 @@
 #   3. the redundancy kernel against the jnp path at decode-time sizes (n = budget + buffer),
 #      over a sweep of tiles, time and compiled memory;
 #   4. decode speed of a random-init DeepSeek-R1-Distill-Qwen-1.5B-shaped model in bfloat16,
-#      rkvjax against transformers on the same GPU, at batch 1 and 32.
+#      rkvjax against transformers on the same GPU, at batch 1 and 32;
+#   5. an int8 cache against bfloat16 (kv_int8): the R1-Llama-8B shape of step 2, FullKV at 16K
+#      generated tokens, each cache at its own largest batch (an int8 row is about half a
+#      bfloat16 one), decode steps timed at the filled cache as in step 2 (bench/scale.py).
 # Not in the default pass (name them): memory_speed (R-KV against FullKV as one row's context
 # grows), tail (a run's tail decoded narrow against every slot, 64 slots), host (the host's CPU
 # time per token against the GPU's chunk time, 64 to 1,024 slots) and load_time (loading from
@@ -17,13 +20,14 @@
 #
 #   bash bench/gpu_suite.sh [OUT_DIR [STEP...]]   # default bench/results/gpu, every step
 #
-# STEP is one of tests, scale, kernel, checkpoint, decode, memory_speed, tail, host, load_time;
-# named steps run in the order given (decode, memory_speed, tail, host and load_time need
-# checkpoint, in this run or an earlier one). Each step has its own time limit and log, and a
-# failing step does not stop the next one. Assumes jax with CUDA, flax, orbax, torch and transformers are installed; installs
-# rkvjax itself (editable, without dependencies) when it is not importable. Run from the
-# repository root (`python -m bench`). Results: OUT_DIR/<suite>/ (results.jsonl, table.md,
-# plot.png) and a log per step in OUT_DIR, summarised in bench/README.md.
+# STEP is one of tests, scale, kernel, checkpoint, decode, kv_int8, memory_speed, tail, host,
+# load_time; named steps run in the order given (decode, memory_speed, tail, host and load_time
+# need checkpoint, in this run or an earlier one). Each step has its own time limit and log, and
+# a failing step does not stop the next one. Assumes jax with CUDA, flax, orbax, torch and
+# transformers are installed; installs rkvjax itself (editable, without dependencies) when it
+# is not importable. Run from the repository root (`python -m bench`). Results: OUT_DIR/<suite>/
+# (results.jsonl, table.md, plot.png; kv_int8 writes OUT_DIR/kv_int8/scale/)
+# and a log per step in OUT_DIR, summarised in bench/README.md.
 set -u
 out=${1:-${OUT:-bench/results/gpu}}
 mkdir -p "$out"
@@ -69,6 +73,10 @@ run_step() {
 	decode) step decode 120 $py -m bench decode --out "$out" --model "$ckpt" --dtype bfloat16 \
 		--batch 1 32 --new-tokens 256 --repeats 3 --hf-threads 16 --hf-bf16-repeats 3 \
 		--bandwidth-mib 4096 ;;
+	# int8 first: when the limit cuts the step, step 2's FullKV row at 16K is the bfloat16 one.
+	kv_int8) step kv_int8 150 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 $py -m bench scale \
+		--out "$out/kv_int8" --methods full --kv-dtype int8 bfloat16 --gen-tokens 16384 \
+		--warmup-steps 64 --timed-steps 128 ;;
 	memory_speed) step memory_speed 120 $py -m bench memory --out "$out" --model "$ckpt" \
 		--dtype bfloat16 --methods full rkv --budget 1024 --contexts 4096 16384 --new-tokens 256 \
 		--repeats 3 --skip-capacity ;;
@@ -91,5 +99,5 @@ run_step() {
 
 shift $(($# > 0 ? 1 : 0))
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests scale kernel checkpoint decode)
+[ ${#steps[@]} -gt 0 ] || steps=(tests scale kernel checkpoint decode kv_int8)
 for name in "${steps[@]}"; do run_step "$name"; done

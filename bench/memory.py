@@ -4,6 +4,9 @@
 and time decoding new_tokens from copies of that state, with the cache bytes of each method.
 (b) capacity: the largest batch whose prefill and decode fit --mem-cap-gb for a long
 generation, from compile-only memory analysis (nothing runs).
+
+--kv-dtype sets cache storage types side by side (default: the model's dtype): each method
+runs once per type, and rows compare against the same method in the first type.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def add_arguments(p) -> None:
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--buffer", type=int, default=defaults.BUFFER)
     p.add_argument("--window", type=int, default=defaults.WINDOW)
+    common.add_kv_dtype_argument(p, several=True)
     p.add_argument("--batch", type=int, default=1, help="rows of the speed runs (a)")
     p.add_argument(
         "--contexts",
@@ -88,7 +92,7 @@ def text_ids(model, path, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _compression(method: str, args, prompt_len: int, max_new: int):
+def _compression(method: str, args, prompt_len: int, max_new: int, kv_dtype=None):
     return compression_config(
         method,
         None if method == "full" else args.budget,
@@ -96,12 +100,20 @@ def _compression(method: str, args, prompt_len: int, max_new: int):
         max_new_tokens=max_new,
         buffer=args.buffer,
         window=args.window,
+        kv_dtype=kv_dtype,
     )
 
 
-def _engine(model, method, args, ids, n_new) -> rkvjax.Engine:
+def _cases(model, args) -> list[tuple[str, str | None, str]]:
+    """(method, --kv-dtype value, the storage type's name) of every setting, the storage types
+    innermost."""
+    kvs = dict.fromkeys(args.kv_dtype)
+    return [(m, kv, common.kv_dtype_name(kv, model.dtype)) for m in args.methods for kv in kvs]
+
+
+def _engine(model, method, args, ids, n_new, kv_dtype=None) -> rkvjax.Engine:
     """A runtime with one slot per prompt, every prompt submitted (greedy, n_new tokens)."""
-    cc = _compression(method, args, max(map(len, ids)), n_new)
+    cc = _compression(method, args, max(map(len, ids)), n_new, kv_dtype)
     max_len = requests.bucket(max(map(len, ids)), model.config.max_positions) + n_new - 1
     greedy = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
     return common.submitted(model, ids, [greedy] * len(ids), cc, max_len)
@@ -131,7 +143,8 @@ def speed_rows(model, args, meta: dict, folder) -> list[dict]:
     load from other processes on a shared machine hits them alike.
     """
     b, n_new = args.batch, args.new_tokens
-    cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
+    cases = _cases(model, args)
+    kv0 = cases[0][2]
     rows = []
     text = text_ids(model, args.data, max(args.contexts) + 97 * b)
     for ctx in args.contexts:
@@ -139,21 +152,21 @@ def speed_rows(model, args, meta: dict, folder) -> list[dict]:
         # Different text per row, so rows do not compress identically.
         ids = [text[97 * r : 97 * r + p_len] for r in range(b)]
         runs = {}
-        for method in args.methods:
-            eng = _engine(model, method, args, ids, n_new)
+        for method, kv_dtype, kv in cases:
+            eng = _engine(model, method, args, ids, n_new, kv_dtype)
             c0, t0 = programs.compile_seconds(), time.perf_counter()
             try:
                 state = eng.prefilled()
                 prefill_comps = int(jax.device_get(state.compressions).max())
             except Exception as e:  # an out-of-memory prefill is a result, not a crash
-                print(f"context {ctx} {method}: prefill failed: {e!r}"[:500], file=sys.stderr)
-                err = {"context": ctx, "method": method, "error": repr(e)[:500]}
+                print(f"context {ctx} {method} {kv}: prefill failed: {e!r}"[:500], file=sys.stderr)
+                err = {"context": ctx, "method": method, "kv_dtype": kv, "error": repr(e)[:500]}
                 rows.append({"bench": "memory_speed", "part": "speed", **err, **meta})
                 continue
             c1, t1 = programs.compile_seconds(), time.perf_counter()
             common.decode_all(eng, common.copy_state(state))  # warm-up: compiles the chunk
             c2, t2 = programs.compile_seconds(), time.perf_counter()
-            runs[method] = {
+            runs[method, kv] = {
                 "engine": eng,
                 "state": state,
                 "prefill_s": (t1 - t0) - (c1 - c0),
@@ -173,13 +186,17 @@ def speed_rows(model, args, meta: dict, folder) -> list[dict]:
                 r["compressions"] = int(jax.device_get(out.compressions).max())
                 r["peak"] = int(jax.device_get(out.peak).max())
                 del s
-        for method, r in runs.items():
+        for (method, kv), r in runs.items():
             eng, dec = r["engine"], statistics.median(r["times"])
             paired = {
-                f"speedup_vs_{ref}": common.paired_speedup(runs[ref]["times"], r["times"])
+                f"speedup_vs_{ref}": common.paired_speedup(runs[ref, kv]["times"], r["times"])
                 for ref in ("full", "streaming")
-                if ref in runs
+                if (ref, kv) in runs
             }
+            if len({c[2] for c in cases}) > 1 and (method, kv0) in runs:
+                paired["kv_dtype_ref"] = kv0  # the same method in the first storage type
+                ref = runs[method, kv0]["times"]
+                paired["speedup_vs_kv_dtype_ref"] = common.paired_speedup(ref, r["times"])
             tps = b * (n_new - 1) / dec  # token 0 comes from the prefill
             comps = r["compressions"] - r["prefill_comps"]
             row = {
@@ -190,11 +207,13 @@ def speed_rows(model, args, meta: dict, folder) -> list[dict]:
                 "new_tokens": n_new,
                 "batch": b,
                 "method": method,
+                "kv_dtype": kv,
                 "budget": eng.compression.budget if eng.compression.compressing else None,
                 "buffer": args.buffer,
                 "cache_capacity": eng.capacity,
                 "peak_cache_slots": r["peak"],
-                "cache_kv_bytes": common.kv_bytes(cfg, b, eng.capacity, itemsize, positions=True),
+                # Keys, values, their scales (8-bit) and slot positions.
+                "cache_kv_bytes": common.cache_bytes(r["state"].cache),
                 "cache_state_bytes": common.tree_bytes(r["state"].cache),  # + q window, counters
                 "decode_s": dec,
                 "decode_s_runs": r["times"],
@@ -276,16 +295,16 @@ def capacity_rows(model, args, meta: dict, folder) -> list[dict]:
     show it does not.
     """
     cap = int(args.mem_cap_gb * 2**30)
-    cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
     w_bytes = common.weight_bytes(model)
     prompt = requests.bucket(args.gen_prompt, args.gen_prompt)
     b1, b2 = sorted(args.fit_batches)
     rows = []
-    for method in args.methods:
-        cc = _compression(method, args, prompt, args.gen_tokens)
+    for method, kv_dtype, kv in _cases(model, args):
+        cc = _compression(method, args, prompt, args.gen_tokens, kv_dtype)
         # An Engine directly, not generate(): a 16K generation exceeds SmolLM2's 8192 positions,
         # which submitting a request checks, but shapes and memory do not depend on that limit.
         capacity = cc.capacity if cc.compressing else prompt + args.gen_tokens - 1
+        one = rkvjax.Engine(model, slots=1, cache=cc, max_len=capacity)  # its shapes only
         t0 = time.perf_counter()
         parts = ("decode", "compress") if cc.compressing else ("decode",)
         m1 = compiled_memory(model, cc, capacity, b1, prompt)
@@ -307,6 +326,7 @@ def capacity_rows(model, args, meta: dict, folder) -> list[dict]:
             "bench": "memory_speed",
             "part": "capacity",
             "method": method,
+            "kv_dtype": kv,
             "budget": cc.budget if cc.compressing else None,
             "buffer": args.buffer,
             "gen_tokens": args.gen_tokens,
@@ -314,7 +334,7 @@ def capacity_rows(model, args, meta: dict, folder) -> list[dict]:
             "mem_cap_bytes": cap,
             "cache_capacity": capacity,
             "weight_bytes": w_bytes,
-            "kv_bytes_per_row": common.kv_bytes(cfg, 1, capacity, itemsize, positions=True),
+            "kv_bytes_per_row": common.cache_bytes(one.state_shapes().cache),
             "state_bytes_per_row": (m2["state_bytes"] - m1["state_bytes"]) / (b2 - b1),
             "peak_bytes_per_row": per_row,
             "peak_bytes_fixed": fixed,
@@ -363,9 +383,13 @@ def _speed_table(rows: list[dict]) -> str:
         "median of the repeats, best: fastest; x full, x strm: median per-round speed ratio; "
         "ovh %: share of the decode spent compressing."
     )
+    ref = next((r["kv_dtype_ref"] for r in rows if "kv_dtype_ref" in r), None)
+    if ref:
+        head += f" x {_short(ref)}: the same, against the method's {ref} cache."
     columns = [
         ("context", "context", "d"),
         ("method", "method", "s"),
+        ("kv dtype", "kv_dtype", "s"),
         ("budget", "budget", "d"),
         ("capacity", "cache_capacity", "d"),
         ("KV MiB", lambda r: r.get("cache_kv_bytes") and r["cache_kv_bytes"] / 2**20, ".1f"),
@@ -373,6 +397,7 @@ def _speed_table(rows: list[dict]) -> str:
         ("best", "tokens_per_s_best", ".2f"),
         ("x full", "speedup_vs_full", ".2f"),
         ("x strm", "speedup_vs_streaming", ".2f"),
+        *([(f"x {_short(ref)}", "speedup_vs_kv_dtype_ref", ".2f")] if ref else []),
         ("comps", "decode_compressions", "d"),
         ("comp ms", "compression_ms", ".1f"),
         ("ovh %", lambda r: r.get("compression_overhead", 0.0) * 100, ".1f"),
@@ -388,7 +413,7 @@ def _capacity_table(rows: list[dict]) -> str:
         f"(b) {r0['gen_tokens']}-token generation, {r0['mem_cap_bytes'] / 2**30:g} GiB cap, "
         f"weights {r0['weight_bytes'] / 2**20:.0f} MiB (compile-only memory analysis)."
     )
-    full = next((r["max_batch"] for r in rows if r["method"] == "full"), None)
+    full = {r.get("kv_dtype"): r["max_batch"] for r in rows if r["method"] == "full"}
 
     def temp_per_row(r):
         (b1, b2), (t1, t2) = r["fit_batches"], r["decode_temp_bytes_fit"]
@@ -400,6 +425,7 @@ def _capacity_table(rows: list[dict]) -> str:
 
     columns = [
         ("method", "method", "s"),
+        ("kv dtype", "kv_dtype", "s"),
         ("budget", "budget", "d"),
         ("capacity", "cache_capacity", "d"),
         ("KV MiB/row", lambda r: r["kv_bytes_per_row"] / 2**20, ".2f"),
@@ -408,10 +434,23 @@ def _capacity_table(rows: list[dict]) -> str:
         ("cmp MiB/row", cmp_per_row, ".2f"),
         ("fixed MiB", lambda r: r["peak_bytes_fixed"] / 2**20, ".0f"),
         ("max batch", "max_batch", "d"),
-        ("x full", lambda r: r["max_batch"] / full if full else None, ".1f"),
+        (
+            "x full",
+            lambda r: r["max_batch"] / f if (f := full.get(r.get("kv_dtype"))) else None,
+            ".1f",
+        ),
         ("state-only", "max_batch_state_only", "d"),
     ]
     return f"{head}\n\n{common.markdown_table(rows, columns)}"
+
+
+def _short(kv: str) -> str:
+    return common.KV_DTYPE_SHORT.get(kv, kv)
+
+
+def _label(r: dict, several: bool) -> str:
+    """A row's method, and its storage type when a run has several."""
+    return f"{r['method']} {_short(r['kv_dtype'])}" if several else r["method"]
 
 
 def table(rows: list[dict]) -> str:
@@ -430,12 +469,14 @@ def plot(plt, rows: list[dict]):
         return None
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     axes = list(axes[0])
+    several = len({r.get("kv_dtype") for r in rows}) > 1
+    speed = [{**r, "label": _label(r, several)} for r in speed]
     if speed:
         budgets = sorted({r["budget"] for r in speed} - {None})
         ax = axes.pop(0)
         common.lines(
             ax,
-            common.series(speed, "method", "context", "cache_kv_bytes", 2**-20),
+            common.series(speed, "label", "context", "cache_kv_bytes", 2**-20),
             xlabel="context (tokens)",
             ylabel="KV cache MiB",
             title=f"{speed[0]['model']}, budget {', '.join(map(str, budgets)) or '-'}",
@@ -443,7 +484,7 @@ def plot(plt, rows: list[dict]):
         ax.set_yscale("log")
         common.lines(
             axes.pop(0),
-            common.series(speed, "method", "context", "tokens_per_s"),
+            common.series(speed, "label", "context", "tokens_per_s"),
             xlabel="context (tokens)",
             ylabel="decode tokens/s",
             title=f"batch {speed[0]['batch']}, {speed[0]['new_tokens']} new tokens",
@@ -452,7 +493,7 @@ def plot(plt, rows: list[dict]):
         ax = axes.pop(0)
         common.bars(
             ax,
-            [r["method"] for r in cap],
+            [_label(r, several) for r in cap],
             [r["max_batch"] for r in cap],
             ylabel=f"max batch in {cap[0]['mem_cap_bytes'] / 2**30:g} GiB",
             title=f"{cap[0]['gen_tokens']}-token generation (compile-only analysis)",

@@ -19,6 +19,11 @@ its first ~budget steps, which never compress, are counted at the steady rate, s
 is an upper bound. Derived: total = prefill + gen_tokens x step time; tokens/s = batch x
 gen_tokens / total.
 
+--kv-dtype runs each setting once per cache storage type (default: the model's dtype), the
+types innermost, each at its own largest batch: an 8-bit cache's row holds codes and float32
+scales, about half a bfloat16 row, so about twice the rows fit. --methods keeps FullKV or R-KV
+alone (R-KV at FullKV's batch needs both).
+
 The paper (Table 3: A100 80 GB, R1-Llama-8B, 16K tokens): FullKV batch 30 at 347 tok/s, R-KV
 budget 1024 batch 402 at 3,189 tok/s (9.2x).
 """
@@ -64,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a config.json")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--gen-tokens", type=int, nargs="+", default=[16384, 8192])
+    p.add_argument("--methods", nargs="+", choices=["full", "rkv"], default=["full", "rkv"])
+    common.add_kv_dtype_argument(p, several=True)
     p.add_argument("--prompt", type=common.int_at_least(1), default=128, help="prompt tokens")
     p.add_argument("--budget", type=common.int_at_least(2), default=1024, help="R-KV tokens")
     p.add_argument("--ratio", type=float, default=0.1, help="R-KV budget as a share (0: none)")
@@ -93,15 +100,32 @@ def memory_cap(args) -> int:
     return int(args.memory_fraction * stats["bytes_limit"])
 
 
-def settings(args, gen: int) -> list[tuple[str, rkvjax.CompressionConfig]]:
+def settings(
+    args, gen: int, kv_dtype: str | None = None
+) -> list[tuple[str, rkvjax.CompressionConfig]]:
     """(label, compression) in the order they run: the table's headline pair first."""
     seq = {"prompt_len": args.prompt, "max_new_tokens": gen, "buffer": args.buffer}
-    out = [
-        ("full", rkvjax.compression_config("full")),
-        (f"rkv-{args.budget}", rkvjax.compression_config("rkv", args.budget, **seq)),
-    ]
-    if args.ratio:
+    seq["kv_dtype"] = kv_dtype
+    out = []
+    if "full" in args.methods:
+        out.append(("full", rkvjax.compression_config("full", kv_dtype=kv_dtype)))
+    if "rkv" in args.methods:
+        out.append((f"rkv-{args.budget}", rkvjax.compression_config("rkv", args.budget, **seq)))
+    if "rkv" in args.methods and args.ratio:
         out.append((f"rkv-{args.ratio:g}", rkvjax.compression_config("rkv", args.ratio, **seq)))
+    return out
+
+
+def plan(args, gen: int) -> list[tuple[str, rkvjax.CompressionConfig, str | None]]:
+    """(label, compression, "full" for FullKV's batch or None for its own) of every setting of
+    one generation length, storage types innermost; R-KV at FullKV's batch after the headline
+    pair when both methods run."""
+    kvs = list(dict.fromkeys(args.kv_dtype))
+    base = [settings(args, gen, kv) for kv in kvs]
+    out = [(label, cc, None) for i in range(len(base[0])) for label, cc in (b[i] for b in base)]
+    if set(args.methods) >= {"full", "rkv"}:
+        at = 2 * len(kvs)
+        out[at:at] = [(f"{b[1][0]}@full-batch", b[1][1], "full") for b in base]
     return out
 
 
@@ -224,14 +248,14 @@ def run(args, folder) -> list[dict]:
         common.emit({**row, **meta}, folder)
 
     for gen in args.gen_tokens:
-        full_batch = None
-        plan = [(label, cc, None) for label, cc in settings(args, gen)]
-        plan.insert(2, (f"rkv-{args.budget}@full-batch", plan[1][1], "full"))
-        for label, cc, batch_of in plan:
+        full_batch = {}  # storage type -> FullKV's measured batch
+        for label, cc, batch_of in plan(args, gen):
+            kv = common.kv_dtype_name(cc.kv_dtype, model.dtype)
             base = {
                 "bench": "scale",
                 "config": name,
                 "setting": label,
+                "kv_dtype": kv,
                 "method": cc.method if cc.compressing else "full",
                 "budget": cc.budget if cc.compressing else None,
                 "buffer": cc.buffer if cc.compressing else None,
@@ -246,10 +270,10 @@ def run(args, folder) -> list[dict]:
             per_row = row_bytes(model, cc, args.prompt + gen - 1)
             batch = min(args.max_batch, max(0, (cap - weights) // per_row))
             if batch_of == "full":
-                if not full_batch:  # FullKV's row says why
+                if not full_batch.get(kv):  # FullKV's row says why
                     emit({**base, "skipped": "no FullKV batch to match"})
                     continue
-                batch = full_batch
+                batch = full_batch[kv]
             base["row_bytes"] = per_row
             if batch == 0:
                 emit({**base, "batch": 0, "tokens_per_s": None})
@@ -263,17 +287,22 @@ def run(args, folder) -> list[dict]:
                 emit({**base, "batch": batch, "error": repr(e)[:500]})
                 continue
             if label == "full":
-                full_batch = got["batch"]
+                full_batch[kv] = got["batch"]
             emit({**base, **got})
     _ratios(rows)
     return rows
 
 
 def _ratios(rows: list[dict]) -> None:
-    """x FullKV: each setting's tokens/s over FullKV's at the same generation length."""
-    full = {r["gen_tokens"]: r.get("tokens_per_s") for r in rows if r["setting"] == "full"}
+    """x FullKV: each setting's tokens/s over FullKV's at the same generation length and
+    storage type."""
+    full = {
+        (r["gen_tokens"], r.get("kv_dtype")): r.get("tokens_per_s")
+        for r in rows
+        if r["setting"] == "full"
+    }
     for r in rows:
-        f, t = full.get(r["gen_tokens"]), r.get("tokens_per_s")
+        f, t = full.get((r["gen_tokens"], r.get("kv_dtype"))), r.get("tokens_per_s")
         r["vs_full"] = t / f if f and t else None
 
 
@@ -294,6 +323,7 @@ def table(rows: list[dict]) -> str:
     cols = [
         ("gen tokens", "gen_tokens", "d"),
         ("setting", "setting", "s"),
+        ("kv dtype", "kv_dtype", "s"),
         ("budget", "budget", "d"),
         ("MiB / row", lambda r: r["row_bytes"] / 2**20 if r.get("row_bytes") else None, ".1f"),
         ("batch", "batch", "d"),
@@ -318,4 +348,11 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(plt, rows: list[dict]):
-    return throughput.batch_figure(plt, rows, lambda r: f"{r['setting']}\n{r['gen_tokens']}")
+    short = common.KV_DTYPE_SHORT
+    several = len({r.get("kv_dtype") for r in rows}) > 1
+
+    def label(r):
+        kv = f" {short[r['kv_dtype']]}" if several else ""
+        return f"{r['setting']}{kv}\n{r['gen_tokens']}"
+
+    return throughput.batch_figure(plt, rows, label)

@@ -8,6 +8,8 @@ Here: the default model, --gen-tokens new tokens after one MATH-500 prompt, and 
 cache alone (--kv-cap-mib: its keys, values, slot positions and query ring, per
 `Engine.state_shapes()`); a batch is the cap over one row's cache bytes. Tokens/s is the
 runtime's own count (generated tokens over wall time less compilation), one run per setting.
+--kv-dtype runs every setting once per cache storage type (default: the model's dtype); an 8-bit
+cache's rows count its scales too, so more of them fit under the cap.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch", type=common.int_at_least(1), default=512, help="batch at most (time)"
     )
+    common.add_kv_dtype_argument(p, several=True)
 
 
 def _prompt(model, tiny: bool) -> list[int]:
@@ -73,13 +76,19 @@ def run(args, folder) -> list[dict]:
             "buffer": args.buffer,
         }
     rows = []
-    for label, cache in settings.items():
+    cases = [
+        (label, {**cache, "kv_dtype": kv_dtype})
+        for label, cache in settings.items()
+        for kv_dtype in dict.fromkeys(args.kv_dtype)
+    ]
+    for label, cache in cases:
         one = _engine(model, prompt, params, cache, 1)
         per_row = common.tree_bytes(one.state_shapes().cache)
         batch = min(cap // per_row, args.max_batch)
         row = {
             "bench": "throughput",
             "setting": label,
+            "kv_dtype": common.kv_dtype_name(cache["kv_dtype"], model.dtype),
             "method": cache["method"],
             "budget": one.compression.budget if one.compression.compressing else None,
             "cache_slots_per_row": one.capacity,
@@ -109,16 +118,23 @@ def run(args, folder) -> list[dict]:
         )
         rows.append(row)
         common.emit({**row, **common.run_meta(dtype=args.dtype)}, folder)
-    full = rows[0]["tokens_per_s"]
-    for r in rows:
-        r["vs_full"] = r["tokens_per_s"] / full if full and r["tokens_per_s"] else None
+    _ratios(rows)
     return rows
+
+
+def _ratios(rows: list[dict]) -> None:
+    """x FullKV: each row's tokens/s over FullKV's with the same storage type."""
+    full = {r.get("kv_dtype"): r["tokens_per_s"] for r in rows if r["setting"] == "full"}
+    for r in rows:
+        f, t = full.get(r.get("kv_dtype")), r["tokens_per_s"]
+        r["vs_full"] = t / f if f and t else None
 
 
 def table(rows: list[dict]) -> str:
     r0 = rows[0]
     cols = [
         ("setting", "setting", "s"),
+        ("kv dtype", "kv_dtype", "s"),
         ("budget", "budget", "d"),
         ("cache slots / row", "cache_slots_per_row", "d"),
         ("KV MiB / row", lambda r: r["kv_bytes_per_row"] / 2**20, ".2f"),
@@ -156,4 +172,7 @@ def batch_figure(plt, rows: list[dict], label=lambda r: r["setting"]):
 
 
 def plot(plt, rows: list[dict]):
+    if len({r.get("kv_dtype") for r in rows}) > 1:
+        short = common.KV_DTYPE_SHORT
+        return batch_figure(plt, rows, lambda r: f"{r['setting']}\n{short[r['kv_dtype']]}")
     return batch_figure(plt, rows)

@@ -134,8 +134,9 @@ def test_markdown_table_and_timings():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_byte_counts_match_the_engine(tmp_path, dtype):
-    """kv_bytes is the engine's own cache layout (bfloat16 stored as uint16) and weight_bytes
-    the checkpoint's tensors (the tied embedding once)."""
+    """kv_bytes is the engine's own cache layout (bfloat16 stored as uint16; an 8-bit cache's
+    codes and float32 scales) and weight_bytes the checkpoint's tensors (the tied embedding
+    once)."""
     from safetensors.numpy import load_file
 
     folder = checkpoints.save("tiny", tmp_path / "tiny", dtype=dtype)
@@ -143,16 +144,53 @@ def test_byte_counts_match_the_engine(tmp_path, dtype):
     itemsize = jnp.dtype(dtype).itemsize
     tensors = load_file(folder / "model.safetensors")
     assert common.weight_bytes(model) == sum(t.nbytes for t in tensors.values())
-    for cc, capacity in [(rkvjax.compression_config("rkv", 32, buffer=16), 48), (None, 40)]:
-        eng = rkvjax.Engine(model, slots=3, cache=cc, max_len=capacity)
-        cache = eng.state_shapes().cache
-        assert eng.capacity == capacity
-        kv = common.tree_bytes((cache.k, cache.v))
-        assert common.kv_bytes(model.config, 3, capacity, itemsize) == kv
-        with_positions = common.tree_bytes((cache.k, cache.v, cache.slot_pos))
-        assert (
-            common.kv_bytes(model.config, 3, capacity, itemsize, positions=True) == with_positions
-        )
+    for kv_dtype in [None, "int8", "float8_e4m3fn"]:
+        rkv = rkvjax.compression_config("rkv", 32, buffer=16, kv_dtype=kv_dtype)
+        full = rkvjax.compression_config("full", kv_dtype=kv_dtype)
+        stored = common.kv_dtype_name(kv_dtype, dtype)
+        for cc, capacity in [(rkv, 48), (full, 40)]:
+            eng = rkvjax.Engine(model, slots=3, cache=cc, max_len=capacity)
+            cache = eng.state_shapes().cache
+            assert eng.capacity == capacity
+            kv = common.tree_bytes((cache.k, cache.v, cache.k_scale, cache.v_scale))
+            assert common.kv_bytes(model.config, 3, capacity, stored) == kv
+            if kv_dtype is None:  # a float cache's count from its itemsize, as decode gives it
+                assert common.kv_bytes(model.config, 3, capacity, itemsize) == kv
+            with_positions = kv + common.tree_bytes(cache.slot_pos)
+            assert (
+                common.kv_bytes(model.config, 3, capacity, stored, positions=True) == with_positions
+            )
+            assert common.cache_bytes(cache) == with_positions
+            ring = common.tree_bytes((cache.q_win, cache.q_scale))
+            assert (ring > 0) == cc.compressing
+            assert common.cache_bytes(cache, queries=True) == with_positions + ring
+
+
+def test_capacity_and_memory_set_kv_dtypes_side_by_side(tmp_path):
+    """--kv-dtype runs each setting once per storage type: an int8 row (one-byte codes and a
+    float32 scale per token and head) holds 0.58x a bfloat16 one at the tiny model's head_dim
+    of 32 (0.52x at 128), more rows fit, and the tables set the types side by side."""
+    from bench import capacity, memory
+
+    _, suites = parse_args(["capacity", "--tiny", "--kv-dtype", "bfloat16", "int8"])
+    rows = capacity.run(suites["capacity"], tmp_path / "capacity")
+    bf16, int8 = rows
+    assert (bf16["kv_dtype"], int8["kv_dtype"]) == ("bfloat16", "int8")
+    assert int8["kv_bytes_per_row"] <= 0.6 * bf16["kv_bytes_per_row"]
+    assert int8["peak_bytes_per_row"] < bf16["peak_bytes_per_row"]
+    assert int8["max_batch"] > bf16["max_batch"] and int8["max_batch_checked"]
+    assert "| max batch bf16 | max batch int8 | batch int8 / bf16 |" in capacity.table(rows)
+
+    argv = ["memory", "--tiny", "--methods", "full", "--kv-dtype", "bfloat16", "int8"]
+    _, suites = parse_args([*argv, "--skip-capacity", "--repeats", "1"])
+    args = suites["memory"]
+    model, _ = common.load_model(args)
+    meta = common.run_meta(model=common.TINY_MODEL_NAME, dtype="float32")
+    bf16, int8 = memory.speed_rows(model, args, meta, tmp_path / "memory")
+    assert (bf16["kv_dtype"], int8["kv_dtype"]) == ("bfloat16", "int8")
+    assert int8["cache_kv_bytes"] <= 0.6 * bf16["cache_kv_bytes"]
+    assert int8["kv_dtype_ref"] == "bfloat16" and int8["speedup_vs_kv_dtype_ref"] > 0
+    assert "x bf16" in memory.table([bf16, int8])
 
 
 def test_random_init_and_a_filled_cache():
@@ -208,3 +246,34 @@ def test_scale_rows_say_why_a_setting_has_no_number(tmp_path, monkeypatch):
     assert by["rkv-24"]["tokens_per_s"] > 0 and by["rkv-24"]["vs_full"] is None
     text = scale.table(rows)
     assert "RuntimeError" in text and "skipped: no FullKV batch to match" in text
+
+
+def test_scale_runs_each_setting_per_kv_dtype(tmp_path, monkeypatch):
+    """Each setting once per storage type, types innermost, each at its own largest batch;
+    R-KV at FullKV's batch takes FullKV's batch of the same type, and x FullKV compares
+    within a type."""
+    from bench import scale
+
+    def measured(model, cc, batch, gen, args):
+        return {"batch": batch, "step_ms": 1.0, "tokens_per_s": 100.0 * batch}
+
+    monkeypatch.setattr(scale, "_measured", measured)
+    argv = ["scale", "--tiny", "--gen-tokens", "96", "--max-batch", "4096"]
+    argv += ["--kv-dtype", "float32", "int8"]
+    _, suites = parse_args(argv)
+    rows = scale.run(suites["scale"], tmp_path)
+    got = [(r["setting"], r["kv_dtype"]) for r in rows]
+    assert got == [
+        (setting, kv)
+        for setting in ["full", "rkv-24", "rkv-24@full-batch"]
+        for kv in ["float32", "int8"]
+    ]
+    by = {(r["setting"], r["kv_dtype"]): r for r in rows}
+    f32, int8 = by["full", "float32"], by["full", "int8"]
+    assert int8["row_bytes"] < 0.5 * f32["row_bytes"] and int8["batch"] > f32["batch"]
+    for kv in ["float32", "int8"]:
+        assert by["rkv-24@full-batch", kv]["batch"] == by["full", kv]["batch"]
+        assert by["full", kv]["vs_full"] == 1.0
+    assert "| kv dtype |" in scale.table(rows)
+    _, suites = parse_args([*argv, "--methods", "full"])
+    assert [label for label, _, _ in scale.plan(suites["scale"], 96)] == ["full", "full"]
