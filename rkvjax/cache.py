@@ -78,10 +78,6 @@ class KVCache:
         """[B, K, C, H] in `dtype`, or float32 dequantized from an 8-bit cache."""
         return read(self.v[layer], self.v_scale[layer] if self.quantized else None, self.dtype)
 
-    def queries(self, layer: int) -> jax.Array:
-        """[B, N, W, H] the observation window's queries, as `keys` gives keys."""
-        return read(self.q_win[layer], self.q_scale[layer] if self.quantized else None, self.dtype)
-
     def attend_kv(self, layer: int) -> tuple[jax.Array, jax.Array, Scale, Scale]:
         """What attention reads of `layer`: keys and values [B, K, C, H] in `dtype` (an 8-bit
         cache's codes, never dequantized) and their scales [B, K, C] (None: not quantized)."""
