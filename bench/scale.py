@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=common.int_at_least(1), default=192)
     p.add_argument("--timed-steps", type=common.int_at_least(1), default=256)
     p.add_argument(
+        "--batch-invariant",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the engine's batch invariance (auto: on for an 8-bit cache on one data shard)",
+    )
+    p.add_argument(
         "--time-limit-s",
         type=float,
         default=None,
@@ -129,8 +135,17 @@ def plan(args, gen: int) -> list[tuple[str, rkvjax.CompressionConfig, str | None
     return out
 
 
-def _engine(model, cc, slots: int, max_len: int) -> rkvjax.Engine:
-    return rkvjax.Engine(model, slots=slots, cache=cc, max_len=None if cc.compressing else max_len)
+INVARIANT = {"auto": None, "on": True, "off": False}
+
+
+def _engine(model, cc, slots: int, max_len: int, invariant: str = "auto") -> rkvjax.Engine:
+    return rkvjax.Engine(
+        model,
+        slots=slots,
+        cache=cc,
+        max_len=None if cc.compressing else max_len,
+        batch_invariant=INVARIANT[invariant],
+    )
 
 
 def row_bytes(model, cc, max_len: int) -> int:
@@ -170,7 +185,7 @@ def measure(model, cc, *, batch: int, gen: int, args) -> dict:
     """Prefill `batch` rows, mark their caches full, and time decode steps (module doc)."""
     prompt_len = args.prompt
     max_len = prompt_len + gen - 1
-    eng = _engine(model, cc, batch, max_len)
+    eng = _engine(model, cc, batch, max_len, args.batch_invariant)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, model.config.vocab_size, size=(batch, prompt_len)).tolist()
     sp = rkvjax.SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
@@ -196,6 +211,7 @@ def measure(model, cc, *, batch: int, gen: int, args) -> dict:
     stats = jax.local_devices()[0].memory_stats() or {}
     out = {
         "batch": batch,
+        "batch_invariant": eng.batch_invariant,
         "cache_slots_per_row": eng.capacity,
         "state_bytes": common.tree_bytes(state),
         "prefill_s": prefill_s,

@@ -89,6 +89,11 @@ def test_gpu_suite_commands_parse(tmp_path):
     assert len(labels) > 5 and set(steps) == set(labels)
     default = re.search(r"\|\| steps=\((.*)\)", script)[1].split()
     assert default and set(default) <= set(steps)
+    # One GPU command may run 10 minutes, start-up and a rerun's margin included: the default
+    # pass fits in 7 by its own limits, most important step first.
+    limits = {m[1]: int(m[2]) for m in re.finditer(r"^\t(\w+)\) step \w+ (\d+) ", body, re.M)}
+    assert sum(limits[s] for s in default) <= 7 * 60, {s: limits[s] for s in default}
+    assert default[:5] == ["tests", "scale", "kernel", "kv_int8", "host"]
     for label, (log, words) in steps.items():
         assert log == label
         while words[0] == "env" or "=" in words[0]:
