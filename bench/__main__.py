@@ -44,6 +44,7 @@ SUITES = (
     "kernels",
     "load",
     "serve",
+    "invariance",
 )
 TINY_OUT = Path(tempfile.gettempdir()) / "rkvjax-bench-tiny"
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
