@@ -19,11 +19,14 @@ from rkvjax.sampling_params import SamplingParams
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_MODEL",
+    "MEMORY_SHARE",
     "GenerationResult",
     "GenerationStats",
     "Model",
     "ScoreResult",
     "as_dtype",
+    "default_slots",
+    "device_memory",
     "engine_for",
     "generate",
     "load",
@@ -34,7 +37,7 @@ __all__ = [
 
 DEFAULT_MAX_NEW_TOKENS = 256
 # How much of a device's memory, less the weights, the default slot count may take.
-_MEMORY_SHARE = 0.5
+MEMORY_SHARE = 0.5
 
 
 def per_prompt_sampling(n_prompts: int, **kw) -> list[SamplingParams]:
@@ -95,7 +98,7 @@ def _slot_bytes(
     return cfg.num_layers * per_layer + (5 * cfg.vocab_size if penalties else 0)
 
 
-def _device_memory(model: Model) -> int | None:
+def device_memory(model: Model) -> int | None:
     """Bytes one device has for slots: its memory (the limit a GPU or TPU reports; on CPU the
     host's total) less the model's weights on it. Fixed for a model on a machine: the slot
     count that follows from it, and so every compiled shape, does not move from run to run
@@ -125,15 +128,19 @@ def default_slots(
     penalties: bool,
     state: bool = False,
     kv_dtype: str | None = None,
+    *,
+    peak_rows: float = 1.0,
 ) -> int:
     """Every sample at once when their caches fit in half of each device's memory (less the
     weights), else the largest power of two of rows that does (at least one per data shard).
+    `peak_rows`: the rows' worth of cache the engine holds at its peak per slot (a server:
+    its state and half as many rows again, `serve.server.PEAK_ROWS`), so that the peak fits.
     Deterministic: the same call gets the same slots, so it compiles the same programs."""
-    memory = _device_memory(model)
+    memory = device_memory(model)
     fit = samples
     if memory is not None:
-        per_slot = _slot_bytes(model, capacity, window, penalties, state, kv_dtype)
-        fit = int(memory * _MEMORY_SHARE * model.data_shards) // per_slot
+        per_slot = _slot_bytes(model, capacity, window, penalties, state, kv_dtype) * peak_rows
+        fit = int(memory * MEMORY_SHARE * model.data_shards // per_slot)
         fit = 1 << (fit.bit_length() - 1) if fit else 0
     if jax.process_count() > 1:  # every process must build the same engine: process 0's count
         from jax.experimental import multihost_utils
@@ -187,6 +194,7 @@ def engine_for(
     record_kept: bool = False,
     prefill_by_length: bool = True,
     narrow_tail: bool = True,
+    batch_invariant: bool | None = None,
     chat: bool | None = None,
     progress: bool = False,
     total: int | None = None,
@@ -197,7 +205,7 @@ def engine_for(
     think_end_token, answer_slots, pallas, kv_dtype and the method's options). A fractional budget
     and the FullKV length follow the longest prompt and max_tokens, and the engine's logprobs,
     penalties and stop-id width cover every request; `slot_cap` caps the default slot count;
-    `prefill_by_length` and `narrow_tail` as in `Engine`.
+    `prefill_by_length`, `narrow_tail` and `batch_invariant` as in `Engine`.
     Offline jobs build theirs here from the whole input, so a resumed job runs the same
     program."""
     ids = [list(row) for row in prompt_ids]
@@ -235,6 +243,7 @@ def engine_for(
         record_kept=record_kept,
         prefill_by_length=prefill_by_length,
         narrow_tail=narrow_tail,
+        batch_invariant=batch_invariant,
         chat=chat,
         progress=progress,
         total=total,
@@ -257,6 +266,7 @@ def generate(
     pallas: bool | None = None,
     kernels: bool | None = None,
     kv_dtype: str | None = None,
+    batch_invariant: bool | None = None,
     max_new_tokens: int | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
@@ -304,6 +314,11 @@ def generate(
         "bfloat16", "int8" or "float8_e4m3fn" (None: the model's dtype). The 8-bit types keep
         a float32 scale per (token, head) beside the codes: about half of bfloat16's bytes,
         so about twice the default slots.
+      batch_invariant: compute each row's numbers the same way whatever runs beside it, so a
+        sample's tokens, logprobs and kept sets equal its own run alone to the bit (each
+        prompt prefilled alone, decode products on a fixed number of columns; see `Engine`).
+        None (default): on for an 8-bit cache, off for a float one, whose tokens match anyway
+        and whose logprobs can differ in the last bits.
       max_new_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos:
         shorthand for `sampling` (defaults 256 tokens, greedy, no filters, seed 0; prompt i
         samples with seed + i). Not allowed together with `sampling`.
@@ -377,6 +392,7 @@ def generate(
         answer_slots=answer_slots,
         pallas=pallas,
         kv_dtype=kv_dtype,
+        batch_invariant=batch_invariant,
         chunk=chunk,
         lanes=lanes,
         record_kept=record_kept,
@@ -415,6 +431,7 @@ def score(
     method: str = "rkv",
     return_dists: bool = False,
     slots: int | None = None,
+    batch_invariant: bool | None = None,
     **compression,
 ) -> ScoreResult | list[ScoreResult]:
     """Teacher-forces continuations through the decode path with a compressed cache.
@@ -428,11 +445,12 @@ def score(
       model: from `rkvjax.load`.
       token_ids: one sequence (list[int]) or a batch (list[list[int]]): prompt, then the
         continuation to score.
-      prompt_len: prompt tokens of each sequence (one int for all, or one per sequence); >= 1,
-        and >= window when compressing.
+      prompt_len: prompt tokens of each sequence (one int for all, or one per sequence); >= 1.
       budget, method: the cache policy, as in `generate`.
       return_dists: also return the full log-probability row of every step ([T, V] floats).
       slots: rows scored at once (default: every sequence).
+      batch_invariant: as in `generate`: each row's log-probabilities equal its own score
+        alone to the bit (default: for an 8-bit cache).
       **compression: buffer, window, kv_dtype, pallas and the method's options (kernel, lam,
         threshold, retain for R-KV) as in `generate`.
 
@@ -464,6 +482,7 @@ def score(
         keep_dists=return_dists,
         given_len=m,
         stop_width=1,
+        batch_invariant=batch_invariant,
     )
     # Seed 0 for every row: scoring is greedy, so the seed only feeds methods that draw at
     # random, whose kept sets would otherwise differ from one call to the next.

@@ -18,6 +18,7 @@ from rkvjax import (
     defaults,
     evaluation,
     jobs,
+    loading,
     policies,
     quantization,
     requests,
@@ -25,7 +26,7 @@ from rkvjax import (
     xla_flags,
 )
 from rkvjax import serve as serve_defaults
-from rkvjax.config import compression_config, method_names
+from rkvjax.config import check_context, compression_config, method_names
 from rkvjax.sampling import SamplingParams
 
 
@@ -59,10 +60,10 @@ def _add_generation_args(
     )
     p.add_argument(
         "--method",
-        choices=method_names(),
-        default="rkv",
-        help="cache policy (default: %(default)s); $RKVJAX_POLICIES names modules that register "
-        "more",
+        choices=_method_choices(),
+        default=None,
+        help="cache policy (default: rkv with --budget, FullKV without); $RKVJAX_POLICIES names "
+        "modules that register more",
     )
     p.add_argument(
         "--method-arg",
@@ -106,6 +107,14 @@ def _add_generation_args(
         default=None,
         help="what the cache stores, for every method: int8 and float8_e4m3fn keep a float32 "
         "scale per (token, head), about half of bfloat16's bytes (default: the model's dtype)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compute each row's numbers the same way whatever runs beside it, so a sample's "
+        "tokens, logprobs and kept sets equal its run alone to the bit (default: on for an "
+        "8-bit --kv-dtype, off otherwise)",
     )
     p.add_argument("--think-only", action="store_true", help="stop compressing after </think>")
     s = p.add_argument_group("sampling (vLLM's SamplingParams; a job's lines may override them)")
@@ -161,6 +170,14 @@ def _mesh(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace) -> api.Model:
+    """The model, once the cache flags are checked against its config (no weights read yet)."""
+    cfg = loading.read_config(args.model)
+    budget = getattr(args, "budget", None)
+    if isinstance(budget, int):  # a fraction resolves within the lengths, checked later
+        try:
+            check_context(compression_config(**_policy(_cache(args))), cfg.max_positions)
+        except ValueError as e:
+            raise ValueError(f"cache flags: {e}") from None
     return api.load(args.model, dtype=args.dtype, mesh=_mesh(args))
 
 
@@ -397,17 +414,25 @@ def _budget_arg(text: str) -> int | float:
 def _cache(args: argparse.Namespace) -> dict:
     """The cache-policy keywords of `generate` / `engine_for` from the flags (the method's
     options only as given, so that job headers written before options existed still match)."""
-    if args.method_args and args.method == "full":
+    method = args.method
+    if method is None:  # what the headers of earlier jobs recorded for no --method
+        method = "rkv"
+    elif method != "full" and args.budget is None:
+        raise ValueError(
+            f"cache flags: --method {method} compresses the cache to a --budget: give one "
+            "(e.g. --budget 256), or drop --method for FullKV"
+        )
+    if args.method_args and method == "full":
         raise ValueError("cache flags: --method full has no options; drop --method-arg")
     try:
-        options = policies.parse_options(args.method, args.method_args) if args.method_args else {}
+        options = policies.parse_options(method, args.method_args) if args.method_args else {}
     except ValueError as e:
         raise ValueError(f"cache flags: --method-arg: {e}") from None
     calibration = getattr(args, "calibration", None)
     if calibration is not None:
-        if args.method == "full" or "calibration" not in policies.option_names(args.method):
+        if method == "full" or "calibration" not in policies.option_names(method):
             raise ValueError(
-                f"cache flags: --calibration: method {args.method!r} reads no calibration "
+                f"cache flags: --calibration: method {method!r} reads no calibration "
                 "statistics; drop --calibration"
             )
         if "calibration" in options:
@@ -416,15 +441,25 @@ def _cache(args: argparse.Namespace) -> dict:
             )
         options["calibration"] = calibration
     return {
-        "method": args.method,
+        "method": method,
         "budget": args.budget,
         "buffer": args.buffer,
         "think_only": args.think_only,
         # Only when given: the headers of jobs written before these flags still match.
         **({"share": args.share} if args.share != defaults.SHARE else {}),
         **({"kv_dtype": args.kv_dtype} if args.kv_dtype is not None else {}),
+        **({"batch_invariant": args.batch_invariant} if args.batch_invariant is not None else {}),
         **options,
     }
+
+
+# `_cache` keywords that are the engine's, not the cache policy's (`compression_config`'s).
+_ENGINE_KEYWORDS = ("think_only", "batch_invariant")
+
+
+def _policy(cache: dict) -> dict:
+    """`_cache`'s keywords as `compression_config` takes them."""
+    return {k: v for k, v in cache.items() if k not in _ENGINE_KEYWORDS}
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -464,9 +499,7 @@ def _checked_sampling(args: argparse.Namespace, fields: dict | None = None) -> d
             f"{cache['budget']}); drop --budget, or pick a compressing method"
         )
     try:  # the lengths only resolve a fractional budget, which is checked again with the model
-        compression_config(
-            prompt_len=1, max_new_tokens=1, **{k: v for k, v in cache.items() if k != "think_only"}
-        )
+        compression_config(prompt_len=1, max_new_tokens=1, **_policy(cache))
     except ValueError as e:
         raise ValueError(f"cache flags: {e}") from None
     return fields
@@ -653,8 +686,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from rkvjax import calibration
 
     out = Path(args.output)
-    if out.is_dir():
-        raise ValueError(f"{out}: is a directory; give the file to write")
+    jobs.output.check_folder(out)  # before the model loads, not after the whole calibration
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"{out}: exists; pass --overwrite to replace it")
     chat = False if args.no_chat else None
@@ -699,7 +731,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} out of range: {value}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
-    api_key = args.api_key or os.environ.get("RKVJAX_API_KEY") or None
+    api_key = _api_key(args.api_key, os.environ.get("RKVJAX_API_KEY"))
     serve_app.check_api_key(api_key)
     if fields.get("logprobs") is not None and fields["logprobs"] > args.max_logprobs:
         raise ValueError(f"--logprobs {fields['logprobs']} is more than --max-logprobs")
@@ -718,6 +750,7 @@ def _serve(args: argparse.Namespace) -> int:
     cc = engine.compression
     policy = "FullKV" if not cc.compressing else f"{cc.method} budget {cc.budget}"
     name = args.served_model_name or model.path.name
+    print(f"[rkvjax] {serve.memory_line(engine)}", file=sys.stderr)
     if not args.no_warmup:
         print(
             "[rkvjax] compiling: the decode chunk at every batch width and a first prefill "
@@ -734,9 +767,11 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
     )
+    access = "API key required" if api_key is not None else "open: no API key"
     print(
         f"[rkvjax] serving {name} ({model.config.arch}, {model.dtype.__name__}, {policy}, "
-        f"{engine.slots} slots, context {length}) on http://{args.host}:{args.port}/v1",
+        f"{engine.slots} slots, context {length}) on http://{args.host}:{args.port}/v1 "
+        f"({access})",
         file=sys.stderr,
     )
     serve.serve(
@@ -748,6 +783,22 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
     )
     return 0
+
+
+def _api_key(flag: str | None, env: str | None) -> str | None:
+    """The server's API key: --api-key, else $RKVJAX_API_KEY, else None (an open server). An
+    empty one is refused: `--api-key "$KEY"` with KEY unset would otherwise start an open
+    server while its user believes it is protected."""
+    for given, name in ((flag, "--api-key"), (env, "$RKVJAX_API_KEY")):
+        if given is None:
+            continue
+        if not given:
+            raise ValueError(
+                f"{name} is empty (an unset shell variable?): give the key, or leave "
+                f"{name} out to serve without one"
+            )
+        return given
+    return None
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -773,13 +824,23 @@ def _enable_compile_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def _method_choices() -> tuple[str, ...]:
+    """The methods the flags accept: every registered one, or the built-ins when a plug-in
+    fails to load (`main` reports that to the commands that take a method)."""
+    try:
+        return method_names()
+    except ValueError:
+        return ("full", *policies.BUILTINS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:  # the parser lists the registered methods, plug-ins included: they may fail to load
-        parser = _parser()
-    except ValueError as e:
-        print(f"rkvjax: error: {e}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    if args.command != "merge":  # the one command that takes no method: files only
+        try:
+            method_names()
+        except ValueError as e:  # a plug-in that fails to load, named in one line
+            print(f"rkvjax: error: {e}", file=sys.stderr)
+            return 2
     xla_flags.prefer_memory_on_cpu()
     try:
         if args.command == "merge":  # files only: no devices, no model

@@ -83,7 +83,8 @@ def select(
       ValueError: for "full", unknown methods or options, mismatched shapes and invalid
         settings.
     """
-    policy = policies.resolve(method, **options)  # in the order a caller fixes them
+    # In the order a caller fixes them; R-KV's options are named for every method here.
+    policy = policies.resolve(method, foreign="check", **options)
     checks.check_inputs(queries, keys, valid, window=window)
     checks.check_budget(budget, window, keys.shape[2])
     score = candidate_scores(
@@ -117,7 +118,7 @@ def scores_and_state(
 ):
     """`candidate_scores` and, for a method that rewrites its per-key state at each compression
     (`Policy.state == "score"`), that new state [B, K, n] float32 (None for any other)."""
-    policy = policies.resolve(method, **options)
+    policy = policies.resolve(method, foreign="check", **options)
     checks.check_inputs(queries, keys, valid, window=window)
     n = keys.shape[2]
     n_cand = n - window

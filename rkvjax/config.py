@@ -138,6 +138,18 @@ class CompressionConfig:
         return self.budget + self.buffer + self.answer_slots
 
 
+def check_context(cc: CompressionConfig, max_positions: int) -> None:
+    """Refuses a compressing cache larger than the model's context: its rows could never fill,
+    and each would hold (and allocate) that many slots for nothing."""
+    if cc.compressing and cc.budget + cc.buffer > max_positions:
+        fits = max_positions - cc.buffer
+        hint = f"a budget of at most {fits} fits" if fits > cc.window else "use FullKV"
+        raise ValueError(
+            f"budget={cc.budget} + buffer={cc.buffer} cache slots exceed the model's context of "
+            f"{max_positions} positions: no row ever holds that many tokens ({hint})"
+        )
+
+
 def compression_config(
     method: str = "rkv",
     budget: int | float | None = None,
@@ -175,6 +187,14 @@ def compression_config(
         policy = None
     else:
         policy = policies.resolve(method, **options)
+    if budget is None and policy is not None:
+        changed = policies.changed_options(policy, options)
+        if changed:
+            given = ", ".join(f"{k}={v!r}" for k, v in sorted(changed.items()))
+            raise ValueError(
+                f"{given} would be ignored: without a budget the cache is FullKV, which never "
+                f"compresses; give {method!r} a budget"
+            )
     if budget is None or method == "full":
         return CompressionConfig(method="full", kv_dtype=kv_dtype)
     if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):

@@ -79,6 +79,14 @@ def _resolve(path: str | Path | None) -> Path:
     return p
 
 
+def read_config(path: str | Path | None = None):
+    """The `ModelConfig` of the checkpoint `load(path)` would load, from its config.json alone
+    (no weights read): what a command checks its settings against before it loads a model."""
+    from rkvjax.convert.hf_config import read_hf_config
+
+    return read_hf_config(_resolve(path))
+
+
 def as_dtype(dtype):
     """ "float32" / "bfloat16" or a jnp dtype -> the dtype; anything else is an error."""
     allowed = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

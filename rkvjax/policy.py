@@ -171,7 +171,7 @@ def prefill_cache(
     w = cc.window
     q_win, q_scale = (), ()
     if cc.compressing:
-        stored = [kv.store_queries(jnp.swapaxes(q[:, p - w :], 1, 2), dtype) for q in qs]
+        stored = [kv.store_queries(jnp.swapaxes(_last_queries(q, w), 1, 2), dtype) for q in qs]
         q_win = tuple(x for x, _ in stored)  # L x [B, N, W, H]
         q_scale = tuple(x for _, x in stored) if quantization.is_quantized(dtype) else ()
     accs = tuple(weights)  # L x [B, K, P] or ()
@@ -234,6 +234,20 @@ def prefill_cache(
         q_scale=q_scale,
     )
     return kv.with_layers(cache, per_layer), kept < lengths
+
+
+def _last_queries(q: jax.Array, w: int) -> jax.Array:
+    """The observation ring of a prompt: its last w queries [B, w, N, H] of q [B, P, N, H],
+    zeros first where the prompt bucket is shorter than the window.
+
+    A prompt shorter than the window leaves queries of padding (or zeros) in the ring. None of
+    them is ever read: a row's first compression comes when its cache holds budget + buffer
+    tokens, and every decode step before it pushes one of its own queries in, more than w of
+    them since budget > w."""
+    p = q.shape[1]
+    if p >= w:
+        return q[:, p - w :]
+    return jnp.pad(q, ((0, 0), (w - p, 0), (0, 0), (0, 0)))
 
 
 def lane_count(slots: int, cc: CompressionConfig, data_shards: int = 1) -> int:

@@ -102,10 +102,18 @@ class Plan:
     # On a mesh (the caller runs under `jax.set_mesh`): how the cache and the compression are
     # split over it. None = one device, with no sharding constraint and no shard_map.
     rules: sharding.ShardingRules | None = None
+    # Batch-invariant mode (0: off): a row's numbers do not depend on the rows beside it. Each
+    # prompt is prefilled alone and every weight product of a decode step runs on this many
+    # columns at a time (`layers.fixed_columns`). Off, XLA picks each product's algorithm by
+    # its width, which changes a row's numbers in the last bits; an 8-bit cache can round such
+    # a difference to another code.
+    invariant_columns: int = 0
 
     def __post_init__(self):
         if self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
+        if self.invariant_columns < 0:
+            raise ValueError(f"invariant_columns must be >= 0, got {self.invariant_columns}")
 
 
 @jax.tree_util.register_dataclass
@@ -339,8 +347,7 @@ def prefill(
     model = _model(model)
     cc = plan.compression
     received = cc.state == "attention"
-    x, qkvs = model.hidden(tokens, positions, _causal_attend(positions, received), ())
-    logits = model.head(x[:, -1:])[:, 0]  # [k, V]; left padding puts every row's last token here
+    logits, qkvs = _prompt_forward(model, tokens, positions, received, plan)
     qs, ks, vs, *ws = (tuple(t) for t in zip(*qkvs, strict=True))
     if seeds is None:
         seeds = jnp.zeros(tokens.shape[:1], jnp.uint32)
@@ -363,6 +370,28 @@ def prefill(
         jax.tree.map(rows, dataclasses.replace(pre, cache=None)),
         cache=kv.constrain(cache, plan.rules),
     )
+
+
+def _prompt_forward(model, tokens, positions, received: bool, plan: Plan):
+    """The prompts' forward: logits [k, V] after each last token (left padding puts it at the
+    end) and every layer's (q, k, v[, attention received]) [k, P, ...].
+
+    In batch-invariant mode each prompt runs alone, one after another (`lax.map`): a group's
+    prompts share a length bucket, so a prompt's shapes, and with them its numbers, are the
+    ones it has when prefilled by itself."""
+
+    def forward(tokens, positions):
+        x, qkvs = model.hidden(tokens, positions, _causal_attend(positions, received), ())
+        return model.head(x[:, -1:])[:, 0], qkvs
+
+    if not plan.invariant_columns:
+        return forward(tokens, positions)
+
+    def alone(row):
+        logits, qkvs = forward(row[0][None], row[1][None])
+        return jax.tree.map(lambda a: a[0], (logits, qkvs))
+
+    return jax.lax.map(alone, (tokens, positions))
 
 
 def _is_stop(tok: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -659,10 +688,11 @@ def _decode_step(model, s: SlotState, o: Tokens, i, num0, plan: Plan):
     go = s.active & ~waiting  # [B] rows that take a decode step
     received = cc.state == "attention"
     attend = functools.partial(_cache_attend, rules=plan.rules, go=go, received=received)
-    x, cache = model.hidden(s.last[:, None], cache.pos[:, None], attend, cache)
+    with layers.fixed_columns(plan.invariant_columns):
+        x, cache = model.hidden(s.last[:, None], cache.pos[:, None], attend, cache)
+        logits = model.head(x)[:, 0]  # [B, V]
     # Pinned every step, so the loop carry keeps the prefill's [B->data, K->model] layout.
     cache = kv.constrain(kv.advance(cache, go), plan.rules)
-    logits = model.head(x)[:, 0]  # [B, V]
     tok, counts, bufs = _next_tokens(
         logits,
         s.sampling,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,13 +48,14 @@ class Limits:
     vocab: int
     max_positions: int
     eos: tuple[int, ...]  # the model's end-of-sequence ids
-    window: int | None  # a compressing cache: prompts need this many tokens (None: FullKV)
     capacity: int | None  # FullKV: cache slots per row (prompt + max_tokens - 1 at most)
     logprobs: int | None  # the most logprobs a request may ask for (None: none)
     penalties: bool  # repetition / presence / frequency penalties allowed
     stop_width: int  # stop token ids per row, EOS included
     teacher: bool = False  # scores continuations instead of sampling
     given_len: int = 0  # teacher mode: the longest continuation
+    # The setting that raises `logprobs`, as an error names it (a server: its flag).
+    logprobs_setting: str = "Engine(logprobs=...)"
 
 
 def prepare(
@@ -105,11 +107,6 @@ def prepare(
         max_tokens=max_tokens,
         where=where,
     )
-    if limits.window is not None and len(ids) < limits.window:
-        raise ValueError(
-            f"{where}: a prompt of {len(ids)} tokens is shorter than window={limits.window}: "
-            "compression needs that many observation queries"
-        )
     if limits.capacity is not None and len(ids) + max_tokens - 1 > limits.capacity:
         raise ValueError(
             f"{where}: {len(ids)} prompt tokens + max_tokens={max_tokens} need "
@@ -124,7 +121,7 @@ def prepare(
     if sp.logprobs is not None and (limits.logprobs is None or sp.logprobs > limits.logprobs):
         raise ValueError(
             f"{where}: logprobs={sp.logprobs} exceeds this engine's logprobs={limits.logprobs} "
-            "(Engine(logprobs=...))"
+            f"({limits.logprobs_setting})"
         )
     if sp.uses_penalties and not limits.penalties:
         raise ValueError(f"{where}: penalties need Engine(penalties=True)")
@@ -240,6 +237,36 @@ def check_text(prompt: str, where: str) -> None:
     check_unicode(prompt, where)
 
 
+# Deeper than any request or job line needs (a chat message's content parts are 4 levels in);
+# the checks that walk a value recurse, and Python's recursion limit is 1,000.
+MAX_JSON_DEPTH = 32
+
+
+def check_depth(value: Any, where: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuses a JSON value nested more than `limit` levels, walked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > limit:
+            raise ValueError(f"{where}: nested more than {limit} levels deep")
+        if isinstance(x, Mapping):
+            stack.extend((v, depth + 1) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, depth + 1) for v in x)
+
+
+def load_json(text: str | bytes, where: str) -> Any:
+    """JSON text -> a value nested at most MAX_JSON_DEPTH levels; json.JSONDecodeError as
+    json.loads raises it, or ValueError naming `where` for a value nested too deep (one past
+    what the parser itself can nest, too)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where}: nested more than {MAX_JSON_DEPTH} levels deep") from None
+    check_depth(value, where)
+    return value
+
+
 def check_strings(value: Any, where: str) -> None:
     """`check_unicode` on every string (keys too) of a JSON value."""
     if isinstance(value, str):
@@ -287,6 +314,13 @@ def check_messages(messages: Any, where: str, field: str = "chat") -> None:
         role = m["role"]
         if role not in CHAT_ROLES:
             raise ValueError(f"{at}: unknown role {role!r} (roles: {', '.join(CHAT_ROLES)})")
+        if "reasoning_content" in m and role != "assistant":
+            # Chat templates render an assistant's reasoning only: anyone else's would be
+            # dropped without a word.
+            raise ValueError(
+                f"{at}: `reasoning_content` belongs to an assistant message, not a {role!r} "
+                "one; put the text in `content`"
+            )
 
 
 def _check_template_roles(messages: Sequence[Mapping], where: str, template: str) -> None:

@@ -26,6 +26,7 @@ class GenerationStats:
     tokens_per_s: float  # run: generated tokens / decode_s
     compile_s: float  # run: compilation during the run (0 once shapes have been seen)
     kv_dtype: str | None = None  # run: what the cache stored (float32, bfloat16, int8, ...)
+    batch_invariant: bool = False  # run: numbers independent of the batch (`Engine`)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,6 +116,7 @@ class RunStats:
     compiled_programs: int = 0  # programs this engine compiled (its lifetime)
     aborted: int = 0  # requests stopped by `Engine.abort` (their tokens are not counted)
     decoded_tokens: int = 0  # tokens the rows made so far, running samples' included
+    prompt_compressions: int = 0  # prompts longer than the budget, compressed at prefill
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

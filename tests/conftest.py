@@ -49,6 +49,15 @@ def _release_compiled_programs():
         jax.clear_caches()
 
 
+@pytest.fixture
+def fewer_mappings():
+    """The same check after each test, for files that compile many engine configurations
+    (`pytestmark = pytest.mark.usefixtures("fewer_mappings")`)."""
+    yield
+    if _memory_mappings() > 30_000:
+        jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def shared_data():
     """../shared/data next to the checkout (MATH-500, AIME 2024, real configs); a test that
@@ -107,6 +116,8 @@ def tiny_checkpoint(tmp_path_factory):
 SLOWEST_FIRST = (
     "test_runtime.py",
     "test_serve.py",
+    "test_batch_invariance.py",
+    "test_batch_invariance_float.py",
     "test_bench.py",
     "test_policy.py",
     "test_policies.py",

@@ -27,6 +27,8 @@ _LLAMA3 = {
 
 KINDS = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    # One layer: for tests that compile many engine configurations (batch invariance).
+    "llama_1layer": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(num_hidden_layers=1)),
     "llama3_rope": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(rope_scaling=_LLAMA3)),
     "llama_mha_tied_bias": (
         tf.LlamaConfig,

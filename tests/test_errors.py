@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+import socket
 
 import numpy as np
 import pytest
@@ -177,6 +178,11 @@ def test_bad_prompts(model, prompts, match):
         ),
         ([{"role": "wizard", "content": "x"}], {}, "prompt 0: chat\\[0\\]: unknown role 'wizard'"),
         ([{"role": "user"}], {}, "prompt 0: chat\\[0\\] has no `content`"),
+        (
+            [{"role": "user", "content": "x", "reasoning_content": "y"}],
+            {},
+            "prompt 0: chat\\[0\\]: `reasoning_content` belongs to an assistant message",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_work(model, prompts, kwargs, match):
@@ -203,8 +209,17 @@ def test_request_ids_must_be_hashable(model):
         (["--method-arg", "lamda=0.2"], "cache flags: --method-arg: method 'rkv' has no option"),
         (["--method-arg", "lam=high"], "cache flags: --method-arg: option lam must be float"),
         (["--method-arg", "lam=1.5"], "cache flags: lam must be in [0, 1], got 1.5"),
-        (["--method", "keydiff", "--method-arg", "kernel=3"], "cache flags: --method-arg: method"),
+        (
+            ["--method", "keydiff", "--budget", "64", "--method-arg", "kernel=3"],
+            "cache flags: --method-arg: method",
+        ),
         (["--method", "full", "--method-arg", "lam=0.2"], "cache flags: --method full has no"),
+        (
+            ["--budget", "64", "--method-arg", "lam=0.2", "--method-arg", "lam=0.9"],
+            "cache flags: --method-arg: option lam given twice",
+        ),
+        (["--method-arg", "lam=0.2"], "cache flags: lam=0.2 would be ignored: without a budget"),
+        (["--method", "snapkv"], "cache flags: --method snapkv compresses the cache to a --budget"),
     ],
 )
 def test_cli_refuses_bad_flags_before_loading(tmp_path, capsys, flags, message):
@@ -393,3 +408,27 @@ def test_numpy_token_ids_are_prompts(model):
     assert len(two) == 2 and two[0].token_ids == want.token_ids
     with pytest.raises(ValueError, match="1-D or 2-D integer token ids"):
         rkvjax.generate(model, np.zeros((2, 2), np.float32), max_new_tokens=3)
+
+
+def test_a_budget_beyond_the_context_is_refused_before_the_weights_load(
+    tiny_checkpoint, model, capsys, monkeypatch
+):
+    """A cache larger than the model's positions could never fill (and allocated until XLA ran
+    out of memory): refused from config.json, naming the context, in every command."""
+    folder = str(tiny_checkpoint("llama")[0])
+    monkeypatch.setattr(cli.api, "load", lambda *a, **k: pytest.fail("the weights loaded"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    for argv in (
+        ["generate", "hi", "--model", folder, "--budget", "100000", "--no-chat"],
+        ["serve", "--model", folder, "--budget", "1000", "--port", port],
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("rkvjax: error: cache flags: budget=") and err.count("\n") == 1
+        assert "exceed the model's context of 512 positions" in err
+        assert "a budget of at most 384 fits" in err
+    cc = rkvjax.compression_config("rkv", 600)
+    with pytest.raises(ValueError, match="budget=600 \\+ buffer=128 cache slots exceed"):
+        rkvjax.Engine(model, slots=1, cache=cc)

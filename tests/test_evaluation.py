@@ -208,6 +208,8 @@ def _write(path, rows):
         ({"problem": "x"}, ":2: needs `answer`"),
         ({"problem": "", "answer": "1"}, ":2: `problem` must be a non-empty string"),
         ({"problem": "x", "answer": ["1"]}, ":2: `answer` must be a string or a number"),
+        ('{"problem": "x", "answer": NaN}', ":2: `answer` must be a finite number, got nan"),
+        ('{"problem": "x", "answer": -Infinity}', ":2: `answer` must be a finite number"),
         ({"id": 7, "problem": "x", "answer": "1"}, ":2: duplicate id 7 \\(line 1 has it\\)"),
         ({"problem": "x", "question": "y", "answer": "1"}, ":2: has `problem` and `question` wi"),
         ('{"problem": "\\ud83d", "answer": "1"}', ":2: not valid Unicode text: a lone surrogate"),

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 import rkvjax
 from rkvjax import cli, jobs
 from rkvjax.jobs import openai_batch, output
+from tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 # a job header: this format, no settings
@@ -308,24 +309,38 @@ def _lines(path):
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def test_engine_job_killed_mid_run_resumes_to_the_uninterrupted_result(tiny, tmp_path):
+@pytest.mark.parametrize(
+    ("cache", "order"),
+    [
+        (["--method", "rkv"], []),
+        # Sampled, through an 8-bit cache, the interrupted run in input order: its rows run
+        # beside other neighbours, at other widths, and wait for lanes at other steps.
+        (["--method", "h2o", "--kv-dtype", "int8", "--temperature", "0.8"], ["--order", "input"]),
+    ],
+)
+def test_engine_job_killed_mid_run_resumes_to_the_uninterrupted_result(
+    tiny, tmp_path, cache, order
+):
     """SIGKILL while results are being written, then the same command again: every (id, sample
-    index) exactly once, equal (greedy) to a job that was never interrupted."""
+    index) exactly once, equal to a job that was never interrupted."""
     rows = [{"id": i, "prompt_token_ids": [3 + i, *range(5, 14)]} for i in range(12)]
     for r in rows[::3]:
         r["n"] = 2
+    for r in rows[1::4]:
+        r["max_tokens"] = 30
     src = tmp_path / "in.jsonl"
     _write_jsonl(src, rows)
     flags = ["--model", str(tiny), "--slots", "2", "--max-new-tokens", "48", "--ignore-eos"]
-    flags += ["--method", "rkv", "--budget", "16", "--buffer", "8", "--token-ids", "--no-progress"]
+    flags += [*cache, "--budget", "16", "--buffer", "8", "--token-ids", "--no-progress"]
     whole = tmp_path / "whole.jsonl"
     assert cli.main(["batch", str(src), str(whole), *flags]) == 0
     dst = tmp_path / "out.jsonl"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "RKVJAX_COMPILE_CACHE": "0"}
+    flags += order
     job = subprocess.Popen(
         [*_ENGINE_JOB, str(src), str(dst), *flags], cwd=ROOT, env=env, stderr=subprocess.PIPE
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while _lines(dst) < 4 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)  # the header and a few results
     job.send_signal(signal.SIGKILL)
@@ -439,7 +454,7 @@ def test_stopped_job_reruns_to_every_id_exactly_once(tmp_path, sig):
     job = subprocess.Popen(
         cmd, cwd=ROOT, env={**env, "HOLD": "1"}, stderr=subprocess.PIPE, text=True
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_S
     while _lines(dst) < 3 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # wait for the header and the first results
     try:
@@ -729,6 +744,8 @@ def test_openai_chat_output_shape(tmp_path):
             "not valid Unicode text: a lone surrogate \\(U\\+DFFF",
         ),
         ('{"prompt": "x", "stop": ["\\ud800"]}', "not valid Unicode text"),
+        ('{"prompt": "x", "stop": ' + "[" * 40 + "]" * 40 + "}", "nested more than 32 levels"),
+        ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "nested more than 32 levels deep"),
         ('{"prompt_token_ids": [1, "2"]}', "`prompt_token_ids` must be a non-empty list of ints"),
         ('{"prompt_token_ids": [true]}', "`prompt_token_ids` must be a non-empty list of ints"),
         ('{"prompt_token_ids": []}', "`prompt_token_ids` must be a non-empty list of ints"),
@@ -809,6 +826,7 @@ def test_check_runs_on_every_request_before_work(tmp_path):
     [
         ("missing/out.jsonl", FileNotFoundError, "folder .*missing does not exist"),
         (".", ValueError, "is a directory; give a file path for the results"),
+        ("in.jsonl/out.jsonl", ValueError, "in.jsonl is a file, not a folder"),
     ],
 )
 def test_bad_output_path_fails_before_work(tmp_path, where, error, match):
@@ -954,6 +972,31 @@ def test_merge_refuses_a_torn_or_unfinished_shard(tmp_path):
     lines = parts[0].read_bytes().splitlines(keepends=True)
     parts[0].write_bytes(b"".join(lines[:1] + lines[2:]))
     _refused(tmp_path, parts, f"{parts[0]}: its results are not the {len(lines) - 2} samples")
+
+
+def test_merge_refuses_a_shard_whose_result_text_was_edited(tmp_path):
+    """A finished shard whose result text was edited by hand keeps its ids and counts, but not
+    the digest of its lines its end line records: refused, naming the file; so is a shard
+    whose end line predates that digest. A rerun of its job rewrites the end line."""
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt": f"q{i}", "n": 2} for i in range(8)])
+    parts = _shards(tmp_path, src)
+    whole = parts[0].read_bytes()
+    lines = whole.splitlines(keepends=True)
+    edited = json.loads(lines[1])
+    edited["text"] += " (edited)"
+    lines[1] = (json.dumps(edited) + "\n").encode()
+    parts[0].write_bytes(b"".join(lines))
+    _refused(tmp_path, parts, f"{parts[0]}: its result lines are not the ones its job wrote")
+    # An end line without the digest (an older rkvjax's): refused until the job reruns.
+    lines = whole.splitlines(keepends=True)
+    end = json.loads(lines[-1])
+    del end[jobs.output.END_KEY]["content"]
+    parts[0].write_bytes(b"".join(lines[:-1]) + (json.dumps(end) + "\n").encode())
+    _refused(tmp_path, parts, f"{parts[0]}: its end line has no digest of its results")
+    _run(_Echo(), src, parts[0], settings={"model": "m"}, shard=(0, 2))
+    assert parts[0].read_bytes() == whole
+    assert cli.main(["merge", str(tmp_path / "ok.jsonl"), *map(str, parts)]) == 0
 
 
 def test_merge_refuses_shards_of_another_input_or_settings(tmp_path, capsys):

@@ -14,6 +14,7 @@ import pytest
 
 import rkvjax
 from rkvjax import sharding
+from tests.limits import HANG_S
 from tests.test_sharding import GEN, PROMPTS
 from tests.tolerances import SELF_ATOL
 
@@ -54,7 +55,7 @@ def two_processes(tiny_checkpoint, tmp_path_factory) -> dict:
                     )
                 )
         for p in procs:
-            p.wait(timeout=300)
+            p.wait(timeout=HANG_S)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -155,11 +155,33 @@ def test_registry_lists_the_builtins_and_builds_them():
         ),
         (lambda: policies.parse_options("rkv", ["lam"]), "KEY=VALUE"),
         (lambda: policies.parse_options("rkv", ["kernel=1.5"]), "kernel must be int"),
+        (
+            lambda: policies.parse_options("rkv", ["lam=0.2", "lam=0.9"]),
+            "option lam given twice .lam=0.2 and 'lam=0.9'.",
+        ),
+        # Another method's option with a value of its own would be silently ignored.
+        (lambda: compression_config("full", None, lam=0.2), "method 'full' does not use lam=0.2"),
+        (
+            lambda: compression_config("snapkv", 32, threshold=0.9),
+            "method 'snapkv' does not use threshold=0.9 .an R-KV option; its options:",
+        ),
+        # So would a method's own option without a budget (FullKV).
+        (lambda: compression_config("rkv", None, lam=0.2), "lam=0.2 would be ignored: without a"),
+        (lambda: compression_config("streaming", None, sinks=2), "sinks=2 would be ignored"),
     ],
 )
 def test_bad_policies_and_options_are_one_clear_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_rkv_options_at_their_defaults_pass_through_any_method():
+    """The public signatures (`generate`, `keep_indices`) name R-KV's options for every method:
+    at R-KV's defaults they change nothing anywhere, so they are accepted."""
+    rkv = dict(kernel=7, lam=0.1, threshold=0.5, retain=1)
+    assert compression_config("full", None, **rkv).method == "full"
+    assert compression_config("snapkv", 32, **rkv).policy == policies.SnapKV()
+    assert compression_config("rkv", None, **rkv).method == "full"
 
 
 def test_parse_options_converts_to_the_field_types():
@@ -460,15 +482,32 @@ def test_the_readme_policy_example_runs(smol_dir, tmp_path):
     assert {"keynorm", "rkv"} <= {json.loads(r)["method"] for r in rows}
 
 
-def test_a_plugin_that_fails_to_import_is_one_line(monkeypatch, capsys):
-    monkeypatch.setenv(policies.PLUGINS_ENV, "no_such_policy_module")
+@pytest.mark.parametrize(
+    ("code", "why"),
+    [
+        (None, "No module named 'broken_policy'"),
+        ("def scores(:\n", "SyntaxError: invalid syntax \\(.*broken_policy.py, line 1\\)"),
+        ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+    ],
+)
+def test_a_plugin_that_fails_to_import_is_one_line(tmp_path, monkeypatch, capsys, code, why):
+    """A missing module, a syntax error or an exception in $RKVJAX_POLICIES: one line naming
+    the variable and the module for every command that takes a method, none for `merge`."""
+    if code is not None:
+        (tmp_path / "broken_policy.py").write_text(code)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(policies.PLUGINS_ENV, "broken_policy")
     monkeypatch.setattr(policies.base, "_plugins_loaded", False)
-    assert cli.main(["generate", "x"]) == 2
+    monkeypatch.setattr(policies.base, "_plugin_error", None)
+    for argv in (["generate", "x"], ["batch", "in.jsonl", "out.jsonl"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert re.fullmatch(
+            f"rkvjax: error: \\$RKVJAX_POLICIES: cannot import 'broken_policy': {why}\n", err
+        ), err
+    assert cli.main(["merge", str(tmp_path / "m.jsonl"), str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err
-    assert err == (
-        "rkvjax: error: $RKVJAX_POLICIES: cannot import 'no_such_policy_module': "
-        "No module named 'no_such_policy_module'\n"
-    )
+    assert "RKVJAX_POLICIES" not in err and "none.jsonl: no such file" in err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _full_qk(model, seqs: list[list[int]], length: int) -> tuple[list, list]:
     return [np.float64(q) for q, _, _ in qkv], [np.float64(k) for _, k, _ in qkv]
 
 
-def _ref_keep(method, q, k, held, *, budget, **kw) -> np.ndarray:
+def _ref_keep(method, q, k, held, *, budget, window=W, **kw) -> np.ndarray:
     """NumPy-reference keep set of one (layer, row) -> [K, budget] logical positions.
 
     Args:
@@ -84,6 +84,7 @@ def _ref_keep(method, q, k, held, *, budget, **kw) -> np.ndarray:
       held: [K][n] the logical positions each KV head holds, in slot order; the last W are the
         observation tokens whose queries score importance.
       budget: tokens kept per KV head.
+      window: the observation tokens.
       kw: threshold, lam, ... passed to the reference.
     """
     kh = k.shape[1]
@@ -92,8 +93,8 @@ def _ref_keep(method, q, k, held, *, budget, **kw) -> np.ndarray:
     for h in range(kh):
         pos = np.asarray(held[h])
         keys = k[pos, h][None, None]  # [1, 1, n, H]
-        queries = np.swapaxes(q[pos[-W:], h * g : (h + 1) * g], 0, 1)[None]  # [1, G, W, H]
-        idx = reference.keep(method, queries, keys, budget=budget, window=W, **kw)[0, 0]
+        queries = np.swapaxes(q[pos[-window:], h * g : (h + 1) * g], 0, 1)[None]  # [1, G, W, H]
+        idx = reference.keep(method, queries, keys, budget=budget, window=window, **kw)[0, 0]
         out.append(pos[idx])
     return np.stack(out)
 
@@ -128,7 +129,9 @@ def _compression_steps(p: int, max_new: int, budget: int, buffer: int) -> list[i
     return list(range(first + 1, max_new, buffer))
 
 
-def _simulate_layer0(method, q0, k0, p: int, events: int, *, budget, buffer) -> np.ndarray:
+def _simulate_layer0(
+    method, q0, k0, p: int, events: int, *, budget, buffer, window=W
+) -> np.ndarray:
     """Replays the cache schedule of layer 0 in NumPy -> [events, K, budget] kept positions.
 
     The cache starts with the prompt (compressed if longer than the budget), grows by one
@@ -138,13 +141,13 @@ def _simulate_layer0(method, q0, k0, p: int, events: int, *, budget, buffer) -> 
     held = [list(range(p)) for _ in range(kh)]
     nxt, out = p, []
     if p > budget:
-        out.append(_ref_keep(method, q0, k0, held, budget=budget))
+        out.append(_ref_keep(method, q0, k0, held, budget=budget, window=window))
         held = [list(x) for x in out[-1]]
     while len(out) < events:
         grow = budget + buffer - len(held[0])
         held = [h + list(range(nxt, nxt + grow)) for h in held]
         nxt += grow
-        out.append(_ref_keep(method, q0, k0, held, budget=budget))
+        out.append(_ref_keep(method, q0, k0, held, budget=budget, window=window))
         held = [list(x) for x in out[-1]]
     return np.stack(out)
 
@@ -556,7 +559,6 @@ def test_think_only_stops_compressing_after_end_token(llama, ragged):
         (dict(budget=0.0), r"fraction in \(0, 1\]"),
         (dict(budget=1.5), r"fraction in \(0, 1\]"),
         (dict(budget="16"), "budget must be an int"),
-        (dict(budget=16, prompt=[5, 6, 7, 8, 9]), "shorter than window=8"),
         (dict(budget=16, think_only=True), "think_only needs a tokenizer"),
         (dict(budget=16, think_only=True, think_end_token=VOCAB), "outside the vocabulary"),
         (dict(budget=16, answer_slots=64), "answer_slots needs think_end_id"),
@@ -573,14 +575,41 @@ def test_bad_settings_rejected_before_tracing(llama, kwargs, match):
 
 
 def test_bad_score_settings_rejected_before_tracing(llama):
-    """score() validates like generate(): a budget within the window, a prompt shorter than it."""
+    """score() validates like generate(): a budget within the window."""
     seq = _prompt(30, 62)
     before = collections.Counter(programs.TRACES)
     with pytest.raises(ValueError, match="must be larger than window"):
         rkvjax.score(llama, seq, prompt_len=20, budget=8)
-    with pytest.raises(ValueError, match="shorter than window=8"):
-        rkvjax.score(llama, seq, prompt_len=5, budget=16)
     assert before == programs.TRACES
+
+
+@pytest.mark.parametrize("window", [8, 24])
+def test_prompts_shorter_than_the_window_compress_like_the_reference(llama, window):
+    """A prompt shorter than the observation window (one token, three, the window less one;
+    with window 24 even the 16-token bucket is shorter) is served: its ring fills with its own
+    decode queries before the first compression, so every layer-0 compression matches the
+    NumPy replay, and each row is what it is alone; `score` takes such a prompt too."""
+    budget = window + 8
+    lengths = (1, 3, window - 1)
+    prompts = [_prompt(n, seed=90 + n) for n in lengths]
+    kw = dict(method="rkv", budget=budget, buffer=BUFFER, window=window, record_kept=True)
+    batch = rkvjax.generate(llama, prompts, max_new_tokens=70, **kw)
+    qs, ks = _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, batch, strict=True)], 96)
+    for r, (p, res) in enumerate(zip(prompts, batch, strict=True)):
+        events = res.stats.compressions
+        assert events == _expected_compressions(len(p), 70, budget, BUFFER) >= 2
+        want = _simulate_layer0(
+            "rkv", qs[0][r], ks[0][r], len(p), events, budget=budget, buffer=BUFFER, window=window
+        )
+        np.testing.assert_array_equal(res.kept_positions[:, 0], want, err_msg=f"row {r}")
+        alone = rkvjax.generate(llama, p, max_new_tokens=70, **kw)
+        assert alone.token_ids == res.token_ids
+        np.testing.assert_array_equal(alone.kept_positions, res.kept_positions)
+    seq = prompts[1] + batch[1].token_ids
+    scored = rkvjax.score(
+        llama, seq, prompt_len=3, method="rkv", budget=budget, buffer=BUFFER, window=window
+    )
+    assert scored.compressions == batch[1].stats.compressions
 
 
 # ---------------------------------------------------------------------------------------------

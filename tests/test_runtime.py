@@ -420,7 +420,6 @@ def test_engine_rejects_what_it_cannot_run(llama):
     eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
     before = collections.Counter(programs.TRACES)
     cases = [
-        (dict(prompt=[1, 2, 3]), "shorter than window=8"),
         (dict(prompt=_prompt(12, 0), sampling=SamplingParams(logprobs=2)), "logprobs=2"),
         (dict(prompt=_prompt(12, 0), sampling=SamplingParams(presence_penalty=1.0)), "penalties"),
         (dict(prompt=_prompt(12, 0), sampling=SamplingParams(stop_token_ids=[500])), "vocabulary"),

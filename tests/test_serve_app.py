@@ -30,6 +30,7 @@ from rkvjax import requests
 from rkvjax.results import GenerationResult, GenerationStats, RunStats, StreamDelta
 from rkvjax.sampling_params import SamplingParams
 from rkvjax.serve import ServeConfig, build_app
+from tests.limits import HANG_S
 
 NAME = "fake-served"
 KEY = "sk-test-0123456789"
@@ -37,8 +38,8 @@ EOS = 0
 VOCAB = 0x110000  # every code point is a token
 CONTEXT = 1 << 16
 CAPACITY = 64
-WAIT_S = 3.0  # what a wait may take before the test calls it a hang
-CLIENT_TIMEOUT_S = 5.0
+# A wait, or a client's read, that takes longer is a hang: guards only, never speed limits.
+WAIT_S = CLIENT_TIMEOUT_S = HANG_S
 USER = [{"role": "user", "content": "Hello there"}]
 
 
@@ -102,7 +103,6 @@ class FakeEngine:
             vocab=VOCAB,
             max_positions=CONTEXT,
             eos=(EOS,),
-            window=None,
             capacity=None,
             logprobs=None,
             penalties=True,
@@ -111,6 +111,10 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(queue=collections.deque(), owner=[None] * slots)
         self.progress = threading.Event()
         self.progress.set()
+        # While `stepping` is clear a step blocks (a long prefill, say); `in_step` says one has.
+        self.stepping = threading.Event()
+        self.stepping.set()
+        self.in_step = threading.Event()
         self.fail: BaseException | None = None  # step raises it
         self.submitted: list[tuple[requests.Request, bool]] = []
         self.aborted: list = []
@@ -171,6 +175,9 @@ class FakeEngine:
         self._driven()
         if self.fail is not None:
             raise self.fail
+        if not self.stepping.is_set():
+            self.in_step.set()
+            assert self.stepping.wait(WAIT_S), "the test never let the step end"
         time.sleep(self.step_s)
         self._admit()
         if not self.progress.is_set():
@@ -748,7 +755,7 @@ def test_body_limit():
                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                 + f"\r\nContent-Length: {limit + 1}\r\n\r\n".encode()
             )
-            sock.settimeout(2.0)
+            sock.settimeout(HANG_S)
             r = http.client.HTTPResponse(sock)
             r.begin()
             assert r.status == 413
@@ -787,13 +794,14 @@ def test_metrics():
         counters = {
             "prompt_tokens": st.prompt_tokens,
             "generation_tokens": st.generated_tokens,
-            "compressions": st.compressions,
             "stalled_row_steps": st.stalled_row_steps,
             "decode_steps": st.decode_steps,
             "decoded_tokens": st.decoded_tokens,
             "requests_aborted": st.aborted,
         }
         assert {k: metric(m, f"rkvjax_{k}_total") for k in counters} == counters
+        assert metric(m, "rkvjax_compressions_total", kind="decode") == st.compressions
+        assert metric(m, "rkvjax_compressions_total", kind="prefill") == st.prompt_compressions
         assert st.generated_tokens > 0 and st.compressions > 0 and st.stalled_row_steps > 0
         assert metric(m, "rkvjax_generation_tokens_per_second") > 0
         reasons = collections.Counter(r.finish_reason for r in engine.results)
@@ -814,6 +822,30 @@ def test_metrics():
         assert metric(s.metrics(), "rkvjax_requests_total", endpoint="chat", status="200") == 1
 
 
+def test_requests_count_as_waiting_from_their_arrival():
+    """Requests that arrive while the engine is busy with a long round (a prefill) are waiting
+    on /metrics at once, not only after that round ends."""
+    engine = FakeEngine(slots=2)
+    engine.progress.clear()
+    with serving(engine) as s:
+        first = in_background(s.chat, max_tokens=3)
+        wait_for(lambda: engine.busy_slots == 1, "the first request to run")
+        engine.stepping.clear()
+        assert engine.in_step.wait(WAIT_S)  # the engine thread is inside a step now
+        later = [in_background(s.complete, max_tokens=2) for _ in range(3)]
+
+        def waiting():
+            return metric(s.metrics(), "rkvjax_requests_waiting")
+
+        wait_for(lambda: waiting() == 3, "three arrivals to count as waiting")
+        assert len(engine.submitted) == 1  # they are still in the inbox
+        engine.stepping.set()
+        engine.progress.set()
+        for r in (first, *later):
+            assert r.result(CLIENT_TIMEOUT_S).status == 200
+        wait_for(lambda: waiting() == 0, "nothing to wait")
+
+
 def test_metrics_after_an_abort():
     engine = FakeEngine()
     engine.progress.clear()
@@ -824,7 +856,6 @@ def test_metrics_after_an_abort():
         wait_for(
             lambda: tuple(metric(s.metrics(), f"rkvjax_{k}") for k in names) == (0, 0, 1),
             "/metrics to show the abort",
-            timeout=1.0,
         )
 
 
@@ -879,6 +910,24 @@ def test_refusals_never_reach_the_engine():
         assert engine.submitted == []
 
 
+def test_deep_or_huge_bodies_get_a_short_400():
+    """A body nested past what any request needs, or past what the JSON parser can nest, is a
+    400 naming the depth (it once was a 500 with two tracebacks); no 400 repeats kilobytes of
+    what the client sent."""
+    engine = FakeEngine()
+    with serving(engine) as s:
+        for depth in (40, 5000):
+            deep = b'{"model": "x", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+            reply = s.request("POST", "/v1/chat/completions", deep)
+            assert_error_shape(reply, 400)
+            assert "nested more than 32 levels deep" in reply.json()["error"]["message"]
+        many = {"messages": USER, **{f"field{i:05d}": 1 for i in range(5000)}}
+        reply = s.request("POST", "/v1/chat/completions", json.dumps(many).encode())
+        assert_error_shape(reply, 400)
+        assert len(reply.json()["error"]["message"]) < 600
+        assert engine.submitted == []
+
+
 def test_disconnect_aborts():
     engine = FakeEngine()
     engine.progress.clear()
@@ -901,7 +950,7 @@ def test_disconnect_aborts():
 
 # The engine thread dies, or the grace period ends, while a request admitted before is still
 # being prepared: it must still be answered (once it hung until the client gave up).
-RACE_TIMEOUT_S = 1.0
+RACE_TIMEOUT_S = HANG_S
 
 
 def test_engine_failure_during_prepare():
@@ -938,6 +987,7 @@ def test_shutdown_during_prepare():
     ("argv", "names"),
     [
         (["--api-key", "a b"], "API key"),
+        (["--api-key", ""], "--api-key is empty"),
         (["--port", "70000"], "--port"),
         (["--request-timeout", "0"], "--request-timeout"),
         (["--method", "full", "--budget", "64"], "--budget"),
@@ -954,6 +1004,17 @@ def test_bad_serve_flags_fail_in_one_line_before_the_model_loads(argv, names, ca
     assert err.startswith("rkvjax: error:") and names in err and err.count("\n") == 1, err
 
 
+def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
+    """`RKVJAX_API_KEY=` (set but empty) would start an open server its user thinks locked."""
+    from rkvjax import cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setenv("RKVJAX_API_KEY", "")
+    assert cli.main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rkvjax: error: $RKVJAX_API_KEY is empty") and err.count("\n") == 1
+
+
 def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
     from rkvjax import cli
 
@@ -964,3 +1025,63 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith(f"rkvjax: error: cannot listen on 127.0.0.1:{port}")
     assert err.count("\n") == 1
+
+
+def test_too_many_logprobs_names_the_server_flag(tiny_checkpoint):
+    """A client cannot raise `Engine(logprobs=...)`: the refusal names --max-logprobs."""
+    import rkvjax
+    from rkvjax import serve
+
+    model = rkvjax.load(tiny_checkpoint("llama")[0])
+    engine, _ = serve.serving_engine(model, cache={"method": "rkv", "budget": 16}, slots=1)
+    with pytest.raises(ValueError, match=r"logprobs=21 exceeds .*=20 \(the server's --max-logp"):
+        engine.prepare([5, 6, 7], SamplingParams(logprobs=21), request_id="r")
+
+
+def test_a_warm_up_stays_within_the_peak_its_slots_were_sized_for(tiny_checkpoint, monkeypatch):
+    """A server's default slots keep PEAK_ROWS x its state within the memory share, and its
+    warm-up (every width, narrowing, widening, a prefill and an insert) never holds more: the
+    arrays alive after each program, donated ones gone, measured against it, the outputs of
+    one chunk (a few bytes per row and step) allowed besides. (It once held two full states
+    at a time, and a default server was killed for memory.)"""
+    import jax
+
+    import rkvjax
+    from rkvjax import api, programs, serve
+    from rkvjax.serve import server
+
+    model = rkvjax.load(tiny_checkpoint("llama")[0])
+    cache = {"method": "rkv", "budget": 16, "kv_dtype": "int8"}
+    cc = api.cache_config(model, prompt_len=64, max_new=0, **cache)
+    per_slot = api._slot_bytes(model, cc.capacity, cc.window, True, False, "int8")
+    share = 2 * per_slot * server.PEAK_ROWS  # room for the peak of 2 slots, not of 4
+    monkeypatch.setattr(api, "device_memory", lambda m: int(share / api.MEMORY_SHARE) + 1)
+    engine, _ = serve.serving_engine(model, cache=cache)
+    assert engine.slots == 2
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.state_shapes()))
+    # What was sized is what the state holds (less each row's few counters and settings).
+    assert state == pytest.approx(2 * per_slot, rel=0.01)
+
+    def live() -> int:
+        return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+    peak, outputs = [0], [0]
+
+    def measured(program):
+        def run(*args, **kwargs):
+            out = program(*args, **kwargs)
+            jax.block_until_ready(out)
+            peak[0] = max(peak[0], live())  # its inputs still held, the outputs made
+            if isinstance(out, tuple):  # (state, Tokens): a chunk's or an insert's outputs
+                tokens = sum(x.nbytes for x in jax.tree.leaves(out[1]))
+                outputs[0] = max(outputs[0], tokens)
+            return out
+
+        return run
+
+    for name in ("init_state", "prefill", "insert", "decode", "release", "take_rows", "put_rows"):
+        monkeypatch.setattr(programs, name, measured(getattr(programs, name)))
+    before = live()
+    serve.warm_up(engine)
+    assert engine.stats.narrowings == 0  # counters start afresh after it
+    assert state < peak[0] - before <= server.PEAK_ROWS * state + outputs[0]

@@ -9,7 +9,9 @@ random inputs; both are written to the tests' temporary folders.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -336,8 +338,11 @@ def test_errors_are_one_clear_line(tmp_path, llama, stats_of):
     other = calibration.load(stats_of("llama"))
     with pytest.raises(FileExistsError, match="exists; pass --overwrite"):
         calibration.save(other, stats_of("llama"))
-    # Statistics of another model: caught when the program is traced, naming the file.
-    others = [("qwen2_gqa3", "6 query heads over 2 KV heads, the model has 4"), ("qwen3", "32")]
+    # Statistics of another model: caught before anything compiles, naming the file.
+    others = [
+        ("qwen2_gqa3", "of 6 query heads over 2 KV heads of dimension 16, the model has 2 of 4"),
+        ("qwen3", "of dimension 32, the model has"),
+    ]
     for kind, what in others:
         path = stats_of(kind)
         with pytest.raises(ValueError, match=f"calibration statistics {path}: .*{what}"):
@@ -355,6 +360,75 @@ def test_errors_are_one_clear_line(tmp_path, llama, stats_of):
 
 # ---------------------------------------------------------------------------------------------
 # 5. The command line.
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("nofolder/out.npz", "folder .*nofolder does not exist"), ("afile.txt/out.npz", "is a file")],
+)
+def test_calibrate_checks_its_output_before_the_model_loads(
+    tmp_path, monkeypatch, capsys, where, message
+):
+    """A calibration's output folder is checked first, not after the whole run."""
+    (tmp_path / "afile.txt").write_text("x")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "hello"}\n')
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
+    assert cli.main(["calibrate", str(data), str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert re.match(f"rkvjax: error: .*{message}", err) and err.count("\n") == 1, err
+
+
+def _engine_with(llama, path):
+    cc = compression_config("triattention", 16, calibration=str(path))
+    return rkvjax.Engine(llama, slots=1, cache=cc)
+
+
+def test_statistics_of_another_model_or_impossible_ones_are_refused(tmp_path, llama, stats_of):
+    """The same head layout is not enough: statistics of another RoPE (rope_theta), other
+    weights or more layers than the model are refused by the engine before it compiles, and
+    values no calibration gives (frequencies outside (0, 1], negative or too small mean
+    moduli) when the file is read; each in one line naming the file."""
+    mine = calibration.load(stats_of("llama"))
+    assert mine.meta["weight_norms"] == pytest.approx(calibration.weight_norms(llama))
+    assert mine.meta["model"]  # the folder it was calibrated on
+    _engine_with(llama, stats_of("llama"))  # its own statistics pass
+
+    def variant(name, **change):
+        fields = dict(
+            q_mean=mine.q_mean, q_abs_mean=mine.q_abs_mean, inv_freq=mine.inv_freq, meta=mine.meta
+        )
+        fields.update(change)
+        path = tmp_path / f"{name}.npz"
+        calibration.save(calibration.Stats(**fields), path)
+        return path
+
+    other_rope = dataclasses.replace(llama.config, rope_theta=2 * llama.config.rope_theta)
+    theta = variant("theta", inv_freq=layers.rope_inv_freq(other_rope))
+    with pytest.raises(ValueError, match=f"statistics {theta}: RoPE frequency 7 is .* rope_the"):
+        _engine_with(llama, theta)
+    norms = [2 * x for x in mine.meta["weight_norms"]]
+    weights = variant("weights", meta={**mine.meta, "weight_norms": norms})
+    with pytest.raises(ValueError, match=f"statistics {weights}: calibrated on other weights"):
+        _engine_with(llama, weights)
+    stack = {k: np.concatenate([v, v[:1]]) for k, v in (("q_mean", mine.q_mean),)}
+    deeper = variant(
+        "deeper",
+        q_mean=stack["q_mean"],
+        q_abs_mean=np.concatenate([mine.q_abs_mean, mine.q_abs_mean[:1]]),
+        meta={**mine.meta, "num_layers": 3, "weight_norms": None},
+    )
+    with pytest.raises(ValueError, match=f"statistics {deeper}: hold 3 layers .* the model has 2"):
+        _engine_with(llama, deeper)
+    bad = [
+        ("freq", dict(inv_freq=-mine.inv_freq), "`inv_freq` holds -1; RoPE's inverse freq"),
+        ("negative", dict(q_abs_mean=-mine.q_abs_mean), "`q_abs_mean` holds negative values"),
+        ("short", dict(q_abs_mean=mine.q_abs_mean / 4), "a mean query pair is longer than"),
+    ]
+    for name, change, what in bad:
+        path = variant(name, **change)
+        with pytest.raises(ValueError, match=f"calibration statistics {path}: {what}"):
+            policies.build("triattention", calibration=str(path))
 
 
 def test_calibrate_and_generate_on_the_command_line(tmp_path, llama, stats_of, capsys):

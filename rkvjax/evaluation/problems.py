@@ -9,6 +9,7 @@ resuming finds each problem's samples again.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,9 @@ def _problem(obj: Any, where: str, line: int) -> Problem:
     answer = obj["answer"]
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         raise ValueError(f"{where}: `answer` must be a string or a number, got {show(answer)}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        # JSON's NaN and Infinity (Python reads them) would be graded as the text "nan".
+        raise ValueError(f"{where}: `answer` must be a finite number, got {answer}")
     answer = str(answer).strip()
     if not answer:
         raise ValueError(f"{where}: `answer` is empty")

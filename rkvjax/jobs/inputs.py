@@ -181,7 +181,7 @@ def _rkvjax_line(obj: dict, where: str, line: int, defaults: Mapping[str, Any]) 
 def json_line(raw: bytes, where: str) -> Any:
     """One line of a JSONL file, decoded; a ValueError naming `where` if it is not UTF-8 JSON."""
     try:
-        value = json.loads(raw.decode("utf-8"))
+        value = requests.load_json(raw.decode("utf-8"), where)
     except UnicodeDecodeError as e:
         raise ValueError(f"{where}: not UTF-8 text ({e.reason})") from None
     except json.JSONDecodeError as e:

@@ -6,12 +6,12 @@ fsync each, so a crash tears at most the last line, which a rerun drops. A rerun
 settings, and no job touches a file without the header, nor the input itself.
 
 A job that wrote every sample of its requests ends the file with an end line,
-`{"rkvjax_job_end": {"input": ..., "input_samples": ..., "samples": ..., "keys": ...}}`: a digest
-of the whole input's requests (every shard of one input names the same), the input's samples,
-and the count and a digest of the (id, sample index) keys this file must hold. A file without
-one is unfinished. A rerun that appends results removes the end line first and writes a new one
-when it finishes. `merge` joins only finished shards of one input, and checks each against its
-end line.
+`{"rkvjax_job_end": {"input": ..., "input_samples": ..., "samples": ..., "keys": ...,
+"content": ...}}`: a digest of the whole input's requests (every shard of one input names the
+same), the input's samples, the count and a digest of the (id, sample index) keys this file must
+hold, and a digest of every byte of its result lines. A file without one is unfinished. A
+rerun that appends results removes the end line first and writes a new one when it finishes.
+`merge` joins only finished shards of one input, and checks each against its end line.
 """
 
 from __future__ import annotations
@@ -90,11 +90,23 @@ def keys_digest(keys: Iterable[tuple[Any, int]]) -> str:
     return hashlib.sha256("\n".join(canon).encode("utf-8")).hexdigest()[:16]
 
 
-def _result_keys(lines: list[bytes], path: Path) -> tuple[dict, dict | None]:
+def line_digest(line: bytes) -> str:
+    """A digest of one result line's bytes (its newline left out)."""
+    return hashlib.sha256(line.rstrip(b"\n")).hexdigest()
+
+
+def content_digest(line_digests: Iterable[str]) -> str:
+    """A digest of result lines (`line_digest` each), whatever their order: a finished job's
+    end line records it, so an edited line, or one added or removed, no longer matches."""
+    return hashlib.sha256("\n".join(sorted(line_digests)).encode("utf-8")).hexdigest()[:16]
+
+
+def _result_keys(lines: list[bytes], path: Path) -> tuple[dict, dict | None, list[str]]:
     """({key: the line's request_hash (None if it has none)} of the complete result lines, the
-    end line's fields if the last of them is one); lines are numbered from 2 (1 is the
-    header)."""
+    end line's fields if the last of them is one, each result line's `line_digest`); lines
+    are numbered from 2 (1 is the header)."""
     keys: dict = {}
+    digests: list[str] = []
     end = None
     for n, line in enumerate(lines, 2):
         if not line.strip():
@@ -123,7 +135,8 @@ def _result_keys(lines: list[bytes], path: Path) -> tuple[dict, dict | None]:
                 f"{NEW_FILE}"
             )
         keys.update(dict.fromkeys(found, obj.get(HASH_FIELD)))
-    return keys, end
+        digests.append(line_digest(line))
+    return keys, end, digests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +149,7 @@ class Scan:
     torn: bool = False  # the file ends in a line cut short (a job killed while writing)
     end: dict[str, Any] | None = None  # the end line of a finished job (its last line)
     results_end: int = 0  # bytes up to the last result line: where the end line starts
+    lines: tuple[str, ...] = ()  # `line_digest` of every result line
 
 
 def scan_output(data: bytes, path: Path) -> Scan:
@@ -147,9 +161,9 @@ def scan_output(data: bytes, path: Path) -> Scan:
     if first < 0:
         raise ValueError(f"{path}: its job header line is cut short; {NEW_FILE}")
     keep = data.rfind(b"\n") + 1
-    done, end = _result_keys(data[first + 1 : keep].split(b"\n")[:-1], path)
+    done, end, lines = _result_keys(data[first + 1 : keep].split(b"\n")[:-1], path)
     results_end = keep if end is None else data.rfind(b"\n", 0, keep - 1) + 1
-    return Scan(settings, done, keep, len(data) > keep, end, results_end)
+    return Scan(settings, done, keep, len(data) > keep, end, results_end, tuple(lines))
 
 
 def settings_diff(
@@ -181,6 +195,7 @@ class JobOutput:
         self.hashes = dict(scan.done)
         self.end = scan.end  # the end line's fields while the file ends with one
         self._results_end = scan.results_end
+        self._lines = list(scan.lines)  # `line_digest` of every result line
 
     @property
     def done(self):
@@ -235,15 +250,17 @@ class JobOutput:
     def append(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Appends result lines with one write and an fsync, so a crash tears at most the last."""
         records = list(records)
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        lines = [json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in records]
         self._reopen()
-        _write(self._file, text.encode("utf-8"), self.path)
-        for r in records:
+        _write(self._file, b"".join(lines), self.path)
+        for r, line in zip(records, lines, strict=True):
             self.hashes.update(dict.fromkeys(line_keys(r) or (), r.get(HASH_FIELD)))
+            self._lines.append(line_digest(line))
 
     def finish(self, end: Mapping[str, Any]) -> None:
-        """Ends the file with the end line of a finished job (unless it already ends so)."""
-        end = json.loads(json.dumps(dict(end)))
+        """Ends the file with the end line of a finished job (unless it already ends so), the
+        digest of its result lines added."""
+        end = json.loads(json.dumps({**end, "content": content_digest(self._lines)}))
         if end == self.end:
             return
         self._reopen()
@@ -291,13 +308,19 @@ def refuse_input(input_path: str | Path, path: Path) -> None:
 
 
 def check_folder(path: Path) -> None:
-    """Refuses a directory as an output, or a missing parent folder."""
+    """Refuses a directory as an output, or a parent folder that is missing, is a file, or
+    cannot be written to."""
     if path.is_dir():
         raise ValueError(f"{path}: is a directory; give a file path for the results")
-    if not path.parent.is_dir():
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"{path}: {parent} is a file, not a folder; pick another output path")
+    if not parent.is_dir():
         raise FileNotFoundError(
-            f"{path}: folder {path.parent} does not exist; create it or pick another output path"
+            f"{path}: folder {parent} does not exist; create it or pick another output path"
         )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{path}: folder {parent} is not writable; pick another output path")
 
 
 def open_locked(path: Path):
@@ -428,6 +451,16 @@ def _finished_shard(path: Path) -> tuple[Scan, bytes]:
             f"{path}: its results are not the {scan.end.get('samples')} samples its end line "
             "names (edited after its job ended?); " + rerun
         )
+    if "content" not in scan.end:
+        raise ValueError(
+            f"{path}: its end line has no digest of its results (written by an older rkvjax), "
+            f"so edits cannot be ruled out; {rerun} (a rerun rewrites the end line)"
+        )
+    if scan.end["content"] != content_digest(scan.lines):
+        raise ValueError(
+            f"{path}: its result lines are not the ones its job wrote (edited after the job "
+            "ended: their digest differs from the end line's); restore the file or " + rerun
+        )
     return scan, data
 
 
@@ -499,7 +532,9 @@ def merge(output: str | Path, shards: Iterable[str | Path]) -> tuple[int, int]:
             body = data[data.find(b"\n") + 1 : scan.results_end]
             f.write(body)
             lines += sum(1 for line in body.split(b"\n") if line.strip())
-        f.write(end_line({**end, "samples": len(keys), "keys": keys_digest(keys)}))
+        digest = content_digest(d for _, scan, _ in parts for d in scan.lines)
+        merged_end = {**end, "samples": len(keys), "keys": keys_digest(keys), "content": digest}
+        f.write(end_line(merged_end))
         f.flush()
         os.fsync(f.fileno())
     return len(parts), lines

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from rkvjax.policies import (
     base,
     gkv,
@@ -59,6 +61,7 @@ __all__ = [
     "Streaming",
     "TriAttention",
     "build",
+    "changed_options",
     "check_unused",
     "get",
     "gkv",
@@ -83,8 +86,12 @@ __all__ = [
 RKV_OPTIONS = ("kernel", "lam", "threshold", "retain")
 
 
-def resolve(method: str | Policy, **options) -> Policy:
-    """`method` as a `Policy`: a registered name with its options, or a Policy as it is."""
+def resolve(method: str | Policy, *, foreign: str = "refuse", **options) -> Policy:
+    """`method` as a `Policy`: a registered name with its options, or a Policy as it is.
+
+    `foreign`: what R-KV's options do for a method without them: "refuse" one set to anything
+    but R-KV's default (a cache setting that would be ignored), or "check" them as R-KV's and
+    pass over them (the one-step functions, whose signature names them for every method)."""
     if isinstance(method, Policy):
         if options:
             raise ValueError(
@@ -93,19 +100,36 @@ def resolve(method: str | Policy, **options) -> Policy:
             )
         return method
     own = option_names(method)
-    return build(method, **_without_unused(options, own))
+    if foreign not in ("refuse", "check"):
+        raise ValueError(f"foreign must be 'refuse' or 'check', got {foreign!r}")
+    return build(method, **_without_unused(options, own, method, refuse=foreign == "refuse"))
 
 
 def check_unused(options: dict) -> None:
-    """Options given to FullKV, which has none: R-KV's are checked, anything else refused."""
+    """Options given to FullKV, which has none: R-KV's at their defaults are accepted (the
+    public signatures name them), anything else refused."""
     extra = sorted(set(options) - set(RKV_OPTIONS))
     if extra:
         raise ValueError(f"method 'full' has no options, got {', '.join(extra)}")
-    _without_unused(options, ())
+    _without_unused(options, (), "full")
 
 
-def _without_unused(options: dict, own) -> dict:
+def changed_options(policy: Policy, options: dict) -> dict:
+    """The `options` given to `policy`'s method whose values differ from its defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(policy)}
+    return {k: v for k, v in options.items() if k in defaults and v != defaults[k]}
+
+
+def _without_unused(options: dict, own, method: str, *, refuse: bool = True) -> dict:
+    """`options` less R-KV's options that `method` does not take: those are checked as R-KV's
+    and (`refuse`) must hold R-KV's defaults, or they would be silently ignored."""
     options = dict(options)
     foreign = {k: options.pop(k) for k in RKV_OPTIONS if k in options and k not in own}
-    RKV(**foreign)  # checked, not used
+    changed = changed_options(RKV(**foreign), foreign)  # checked, not used
+    if changed and refuse:
+        given = ", ".join(f"{k}={v!r}" for k, v in sorted(changed.items()))
+        takes = f"its options: {', '.join(own)}" if own else "it takes none"
+        raise ValueError(
+            f"method {method!r} does not use {given} (an R-KV option; {takes}): it would be ignored"
+        )
     return options

@@ -115,6 +115,11 @@ class Policy:
         """
         raise NotImplementedError(f"{type(self).__name__} defines no scores()")
 
+    def check_model(self, model) -> None:
+        """Raises ValueError, in one line, if the method's settings do not fit `model` (a
+        `rkvjax.load` result), e.g. statistics calibrated on another model. An engine asks
+        before it compiles anything."""
+
     def options(self) -> dict[str, Any]:
         """The hyperparameters, by name (what a job header records)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -122,6 +127,7 @@ class Policy:
 
 _REGISTRY: dict[str, type[Policy]] = {}
 _plugins_loaded = False
+_plugin_error: ValueError | None = None  # why loading them failed: raised again on every use
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -173,21 +179,37 @@ def unregister(name: str) -> None:
 
 
 def _load_plugins() -> None:
-    """Imports the entry points and the $RKVJAX_POLICIES modules, once per process."""
-    global _plugins_loaded
+    """Imports the entry points and the $RKVJAX_POLICIES modules, once per process. A plug-in
+    that fails to import is one ValueError naming it, raised again on every later use (a
+    method list without it would be silently short)."""
+    global _plugins_loaded, _plugin_error
     if _plugins_loaded:
+        if _plugin_error is not None:
+            raise _plugin_error
         return
     _plugins_loaded = True
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            register(ep.load())
-        except Exception as e:
-            raise ValueError(f"cache policy entry point {ep.value!r}: {e}") from e
-    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ValueError(f"${PLUGINS_ENV}: cannot import {module!r}: {e}") from e
+    try:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                register(ep.load())
+            except Exception as e:
+                raise ValueError(f"cache policy entry point {ep.value!r}: {_why(e)}") from e
+        names = filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",")))
+        for module in names:
+            try:
+                importlib.import_module(module)
+            except Exception as e:  # a syntax error, or anything its code raises
+                raise ValueError(f"${PLUGINS_ENV}: cannot import {module!r}: {_why(e)}") from e
+    except ValueError as e:
+        _plugin_error = e
+        raise
+
+
+def _why(e: BaseException) -> str:
+    """An exception in one line: its type, message and, for a syntax error, where."""
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} ({e.filename}, line {e.lineno})"
+    return f"{type(e).__name__}: {e}" if not isinstance(e, ImportError) else str(e)
 
 
 def names() -> tuple[str, ...]:
@@ -239,6 +261,10 @@ def parse_options(name: str, items: list[str] | None) -> dict[str, Any]:
         if key not in known:
             takes = f"its options: {', '.join(known)}" if known else "it takes none"
             raise ValueError(f"method {name!r} has no option {key!r} ({takes})")
+        if key in out:
+            raise ValueError(
+                f"option {key} given twice ({key}={out[key]!r} and {item!r}): give it once"
+            )
         out[key] = _convert(key, text.strip(), hints.get(key, str))
     return out
 

@@ -99,6 +99,13 @@ class TriAttention(Policy):
             raise ValueError(f"normalize must be True or False, got {self.normalize!r}")
         _stats(self.calibration)
 
+    def check_model(self, model) -> None:
+        calib.check_model(_stats(self.calibration), model, self._where)
+
+    @property
+    def _where(self) -> str:
+        return f"calibration statistics {self.calibration}"
+
     def scores(self, queries, keys, valid, *, impl=None, target=None, context):
         b, n_q, w, h = queries.shape
         _, k_heads, n, _ = keys.shape
@@ -134,7 +141,7 @@ class TriAttention(Policy):
         """NumPy constants of one layer: the mean queries times the offsets' mean phase
         [2, N, F] (real, imaginary), E|q| - |E q| [N, F], and the frequencies [F]; checked
         against the model's shapes (`kv_heads` of `group` query heads each)."""
-        where = f"calibration statistics {self.calibration}"
+        where = self._where
         if layer >= stats.num_layers:
             raise ValueError(
                 f"{where}: hold {stats.num_layers} layers, the model has layer {layer}"

@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from rkvjax import policy, programs, quantization, requests
-from rkvjax.config import CompressionConfig
+from rkvjax import layers, policy, programs, quantization, requests
+from rkvjax.config import CompressionConfig, check_context
 from rkvjax.detokenize import StopWatcher, TextStream
 from rkvjax.kernels import tuning
 from rkvjax.loading import Model
@@ -54,6 +54,26 @@ def _draw_seeds(count: int) -> list[int]:
 def _prepared(prompts) -> bool:
     """Whether `prompts` is a list of requests `Engine.prepare` made."""
     return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], requests.Request)
+
+
+def _batch_invariant(asked: bool | None, quantized: bool, data: int, by_length: bool) -> bool:
+    """Whether an engine runs batch-invariant (`Engine`'s `batch_invariant`): as asked, or by
+    default for an 8-bit cache where the mode can hold."""
+    if asked is None:
+        return quantized and data == 1 and by_length
+    if not isinstance(asked, bool):
+        raise ValueError(f"batch_invariant must be True, False or None, got {asked!r}")
+    if asked and data > 1:
+        raise ValueError(
+            f"batch_invariant=True needs every row on one device, but this model's mesh splits "
+            f"the rows over {data} 'data' shards: use a mesh with data=1, or batch_invariant=False"
+        )
+    if asked and not by_length:
+        raise ValueError(
+            "batch_invariant=True prefills each prompt in its own length bucket: it cannot be "
+            "combined with prefill_by_length=False"
+        )
+    return asked
 
 
 def _hashable(value: Any) -> bool:
@@ -105,6 +125,13 @@ class Engine:
         its decode once. It narrows when two rounds in a row find it could, so that a
         caller submitting as requests end refills their rows first. New requests take its
         free rows; when more wait than fit, it widens as far as they need.
+      batch_invariant: compute every row's numbers the same way whatever rows run beside it
+        (each prompt prefilled alone, every product of a decode step on a fixed number of
+        columns: `programs.Plan.invariant_columns`), so a sample's tokens, logprobs and kept
+        sets are the same to the bit alone, in any batch, slot or width. None (default): on
+        for an 8-bit cache, whose rounding can turn the last-bit differences of XLA's
+        width-dependent products into another code; off for a float cache, where those
+        differences stay in the last bits. Needs rows on one device and prefill_by_length.
       teacher, keep_dists: score given continuations (`rkvjax.score`) instead of sampling.
       chat: wrap text prompts in the model's chat template (default: when it has one).
       progress: a progress bar on stderr.
@@ -127,6 +154,7 @@ class Engine:
         prefill_by_length: bool = True,
         record_kept: bool = False,
         narrow_tail: bool = True,
+        batch_invariant: bool | None = None,
         teacher: bool = False,
         keep_dists: bool = False,
         given_len: int = 0,
@@ -159,6 +187,9 @@ class Engine:
                     "FullKV needs max_len (cache slots per row: prompt + max_tokens - 1)"
                 )
             capacity = int(max_len)
+        if cc.compressing:
+            check_context(cc, cfg.max_positions)
+            cc.policy.check_model(model)
         if lanes is None:
             lanes = policy.lane_count(slots, cc, data)
         # Decided once from the model's devices, never read from the process while tracing.
@@ -171,7 +202,11 @@ class Engine:
         self.chunk = chunk
         self.compression = cc
         # What the cache stores: the config's kv_dtype or, by default, the model's dtype.
-        self.kv_dtype = quantization.cache_dtype(cc.kv_dtype, model.dtype).name
+        kv_dtype = quantization.cache_dtype(cc.kv_dtype, model.dtype)
+        self.kv_dtype = kv_dtype.name
+        self.batch_invariant = _batch_invariant(
+            batch_invariant, quantization.is_quantized(kv_dtype), data, prefill_by_length
+        )
         self.plan = programs.Plan(
             compression=cc,
             lanes=lanes,
@@ -182,12 +217,14 @@ class Engine:
             keep_dists=keep_dists,
             record_kept=record_kept,
             rules=model.rules,
+            invariant_columns=layers.INVARIANT_COLUMNS.get(target.backend, 128)
+            if self.batch_invariant
+            else 0,
         )
         self.limits = requests.Limits(
             vocab=cfg.vocab_size,
             max_positions=cfg.max_positions,
             eos=tuple(model.eos_token_ids),
-            window=cc.window if cc.compressing else None,
             capacity=None if cc.compressing else capacity,
             logprobs=logprobs,
             penalties=penalties,
@@ -473,9 +510,14 @@ class Engine:
         for step, done in zip(admission.inserts, self.executor.admit(admission), strict=True):
             self._events.append(("insert", done, step))
             if step.prefill is not None:
+                prompts = step.prefill.prompts
                 self._counters["prefills"] += 1
-                self._counters["prefill_rows"] += len(step.prefill.prompts)
-                self._counters["prompt_tokens"] += sum(map(len, step.prefill.prompts))
+                self._counters["prefill_rows"] += len(prompts)
+                self._counters["prompt_tokens"] += sum(map(len, prompts))
+                # Exactly the prompts the prefill compresses (`policy.prefill_cache`).
+                if self.compression.compressing:
+                    long = sum(len(p) > self.compression.budget for p in prompts)
+                    self._counters["prompt_compressions"] += long
 
     def _parse(self, event) -> list:
         kind, payload, context = event
@@ -528,6 +570,7 @@ class Engine:
             method=cc.method,
             budget=cc.budget if cc.compressing else None,
             kv_dtype=self.kv_dtype,
+            batch_invariant=self.batch_invariant,
             capacity=self.capacity,
             batch_size=self.scheduler.peak_busy,
             decode_s=st.wall_s - st.compile_s,
@@ -645,6 +688,7 @@ class Engine:
             compiled_programs=self.executor.compile.programs,
             aborted=c["aborted"],
             decoded_tokens=c["decoded"],
+            prompt_compressions=c["prompt_compressions"],
         )
 
     @property

@@ -279,6 +279,12 @@ class Executor:
             self.state = programs.put_rows(wide, self.state, rows, plan=plan)
         self.width = resize.width
 
+    def _fresh(self, width: int) -> None:
+        """An empty state of `width` rows in place of the current one, which is dropped
+        first: two full states at once would double what the slots were sized for."""
+        self.state = None
+        self.state, self.width = self.empty_state(width), width
+
     def warm_widths(self, prompt: Sequence[int], *, narrow: bool = True) -> list[int]:
         """Runs, on empty rows, the programs of every width the state can narrow or widen to:
         the decode chunk, the release and one prompt's insert (as one arrival into a narrowed
@@ -294,18 +300,19 @@ class Executor:
         ladder = ladder if narrow else [per]
         prefill = Prefill(-1, (tuple(prompt),), requests.row_bucket(1, self.slots, d), (0,))
         for i, w in enumerate(ladder):
-            self.state, self.width = self.empty_state(w * d), w * d
+            self._fresh(w * d)
             first = prefill if i == 0 else None
             self.insert(Insert(-1, (0,), (w * d,), (), 1, w * d, first, i == len(ladder) - 1))
             jax.block_until_ready(self.dispatch(self.slots + 1))
             self.release([])
             for narrow in (v for v in ladder if v < w):
-                self.state, self.width = self.empty_state(w * d), w * d
+                self._fresh(w * d)
                 self.resize(Resize("narrow", narrow * d, tuple(range(narrow)) * d))
-                self.state, self.width = self.empty_state(narrow * d), narrow * d
+                self._fresh(narrow * d)
                 self.resize(Resize("widen", w * d, tuple(range(narrow)) * d))
+                jax.block_until_ready(self.state)
         jax.block_until_ready(self.state)
-        self.state, self.width = self.empty_state(), self.slots
+        self._fresh(self.slots)
         return [w * d for w in ladder]
 
     @staticmethod

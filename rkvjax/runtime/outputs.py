@@ -29,6 +29,7 @@ class RunInfo:
     method: str
     budget: int | None
     kv_dtype: str  # what the cache stores
+    batch_invariant: bool  # every row's numbers independent of the others'
     capacity: int  # cache slots per (layer, KV head, row)
     batch_size: int  # rows decoded together at most
     decode_s: float
@@ -221,6 +222,7 @@ class OutputProcessor:
             tokens_per_s=run.tokens_per_s,
             compile_s=run.compile_s,
             kv_dtype=run.kv_dtype,
+            batch_invariant=run.batch_invariant,
         )
         kept = None
         if self.kept_shape is not None:

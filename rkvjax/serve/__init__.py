@@ -15,7 +15,7 @@ from rkvjax.lazy import attribute_loader
 
 if TYPE_CHECKING:
     from rkvjax.serve.app import ServeConfig, build_app
-    from rkvjax.serve.server import bind, serve, serving_engine, warm_up
+    from rkvjax.serve.server import bind, memory_line, serve, serving_engine, warm_up
 
 # The command line reads these without loading the HTTP stack.
 DEFAULT_SERVE_SLOTS = 32  # at most, when memory allows (`api.default_slots`)
@@ -27,6 +27,7 @@ _HOMES = {
     "ServeConfig": "rkvjax.serve.app",
     "build_app": "rkvjax.serve.app",
     "bind": "rkvjax.serve.server",
+    "memory_line": "rkvjax.serve.server",
     "serve": "rkvjax.serve.server",
     "serving_engine": "rkvjax.serve.server",
     "warm_up": "rkvjax.serve.server",
@@ -40,6 +41,7 @@ __all__ = [
     "ServeConfig",
     "bind",
     "build_app",
+    "memory_line",
     "serve",
     "serving_engine",
     "warm_up",

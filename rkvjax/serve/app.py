@@ -76,7 +76,7 @@ class _Server:
         self.config = config
         self.worker: EngineWorker | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.metrics = Metrics(lambda: self.worker.snapshot if self.worker else _idle(engine))
+        self.metrics = Metrics(lambda: self.worker.current() if self.worker else _idle(engine))
         self.accepting = False
         self.created = int(time.time())
         tok = engine.model.tokenizer

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rkvjax import requests
 from rkvjax.jobs import openai_batch
 from rkvjax.jobs.quote import show
 from rkvjax.jobs.run import sample_record
@@ -21,6 +22,9 @@ from rkvjax.results import GenerationResult, StreamDelta
 
 STREAM_FIELDS = ("stream", "stream_options")
 STREAM_OPTIONS = ("include_usage",)
+
+
+MAX_MESSAGE_CHARS = 500
 
 
 class APIError(Exception):
@@ -36,6 +40,9 @@ class APIError(Exception):
         param: str | None = None,
         retry: bool = True,
     ):
+        if len(message) > MAX_MESSAGE_CHARS:  # a reply never carries back a client's kilobytes
+            cut = len(message) - MAX_MESSAGE_CHARS
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = (
             status,
@@ -74,11 +81,13 @@ def parse_request(raw: bytes, kind: str) -> CompletionRequest:
     """A request's body (bytes) -> CompletionRequest; APIError 400 saying what is wrong."""
     where = "request"
     try:
-        body = json.loads(raw)
+        body = requests.load_json(raw, where)
     except UnicodeDecodeError as e:
         raise APIError(400, f"{where}: the body is not UTF-8 text ({e.reason})") from None
     except json.JSONDecodeError as e:
         raise APIError(400, f"{where}: the body is not valid JSON ({e.msg})") from None
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
     if isinstance(body, dict):  # null means not given, as in OpenAI's API
         body = {k: v for k, v in body.items() if v is not None}
     try:

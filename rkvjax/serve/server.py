@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
@@ -16,6 +17,11 @@ from rkvjax import api, runtime
 from rkvjax.sampling_params import SamplingParams
 from rkvjax.serve import DEFAULT_MAX_LOGPROBS, DEFAULT_SERVE_SLOTS, SHUTDOWN_TIMEOUT_S
 from rkvjax.serve.app import ServeConfig, build_app
+
+# A server's peak, in rows' worth of cache per slot: its state, and half as many rows again
+# while it narrows or widens (both states are live during the move) or while a prefilled group
+# of up to half the slots waits for its insert. Warm-up runs each of these once.
+PEAK_ROWS = 1.5
 
 
 def serving_engine(
@@ -37,7 +43,8 @@ def serving_engine(
       model: from `rkvjax.load`.
       cache: `generate`'s cache keywords (method, budget, buffer, ...); a fractional budget is
         a fraction of the context.
-      slots: rows decoded together (default: DEFAULT_SERVE_SLOTS, fewer when memory is short).
+      slots: rows decoded together (default: DEFAULT_SERVE_SLOTS, or fewer: as many as keep
+        the server's peak, PEAK_ROWS x the state, within the memory share of `api.default_slots`).
       max_model_len: the context (default: the model's positions).
       max_logprobs: the most `logprobs` / `top_logprobs` a request may ask for (0: none).
     """
@@ -50,12 +57,21 @@ def serving_engine(
         )
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
         raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
+    cache = dict(cache)
+    batch_invariant = cache.pop("batch_invariant", None)  # the engine's, not the policy's
     cc = api.cache_config(model, prompt_len=length, max_new=0, **cache)
     capacity = cc.capacity if cc.compressing else length - 1
     if slots is None:
         window = cc.window if cc.compressing else 0
         slots = api.default_slots(
-            model, DEFAULT_SERVE_SLOTS, capacity, window, True, cc.state is not None
+            model,
+            DEFAULT_SERVE_SLOTS,
+            capacity,
+            window,
+            True,
+            cc.state is not None,
+            cc.kv_dtype,
+            peak_rows=PEAK_ROWS,
         )
     engine = runtime.Engine(
         model,
@@ -66,8 +82,34 @@ def serving_engine(
         logprobs=min(max_logprobs, model.config.vocab_size) or None,
         penalties=True,
         narrow_tail=narrow_tail,
+        max_prefill_rows=max(1, slots // 2),  # the peak's half-width bound holds for a group too
+        batch_invariant=batch_invariant,
+    )
+    # A client cannot call Engine(...): the refusal of too many logprobs names the flag.
+    engine.limits = dataclasses.replace(
+        engine.limits, logprobs_setting="the server's --max-logprobs"
     )
     return engine, length
+
+
+def memory_line(engine: runtime.Engine) -> str:
+    """What a server's slots hold, said at start: the state, its peak (PEAK_ROWS of it) and
+    the share of memory default slots are sized to."""
+    import jax
+
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.state_shapes()))
+    line = (
+        f"{engine.slots} slots: {_gib(state)} of state, at most {_gib(PEAK_ROWS * state)} at its "
+        "peak"
+    )
+    memory = api.device_memory(engine.model)
+    if memory is not None:
+        line += f" (default slots keep the peak within {_gib(api.MEMORY_SHARE * memory)})"
+    return line
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 UVICORN_MARGIN_S = 10  # uvicorn cuts what still runs this long after our own grace period

@@ -5,7 +5,9 @@ handlers talk to it through an inbox (requests to submit, ids to abort). Between
 thread takes the inbox, runs `Engine.step`, and hands each request's deltas and results to the
 event loop that waits for them (`loop.call_soon_threadsafe`, one call per request and round).
 While nothing waits or runs it sleeps on the inbox. Numbers for `/metrics` are copied after
-every round into a snapshot the event loop reads without locks (`Snapshot`).
+every round into a snapshot the event loop reads without locks (`Snapshot`); requests still in
+the inbox (the engine thread is busy with a round, say a long prefill) count as waiting from the
+moment they arrive (`current`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class Snapshot:
     prompt_tokens: int = 0
     generated_tokens: int = 0  # by finished samples
     decoded_tokens: int = 0  # by every row, running samples' included
-    compressions: int = 0
+    compressions: int = 0  # while decoding
+    prompt_compressions: int = 0  # of prompts longer than the budget, at prefill
     stalled_row_steps: int = 0
     decode_steps: int = 0
     aborted: int = 0
@@ -76,6 +79,8 @@ class EngineWorker:
         # Guards the two marks below against a submit racing the engine thread's end.
         self._lock = threading.Lock()
         self._closed: BaseException | None = None  # why submits are answered at once
+        self._inbox_requests = 0  # submitted, not yet in a snapshot's count (under _lock)
+        self._taken = 0  # taken from the inbox since the last snapshot (the engine thread's)
         self._thread = threading.Thread(target=self._run, name="rkvjax-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -85,6 +90,14 @@ class EngineWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def current(self) -> Snapshot:
+        """The last round's numbers, with the requests that arrived since counted as waiting."""
+        with self._lock:  # the two as one snapshot left them: a request counted once
+            snapshot, arrived = self.snapshot, self._inbox_requests
+        if not arrived:
+            return snapshot
+        return dataclasses.replace(snapshot, waiting=snapshot.waiting + arrived)
 
     # -- called from the event loop -------------------------------------------------------
 
@@ -96,6 +109,7 @@ class EngineWorker:
         with self._lock:
             closed = self._closed
             if closed is None:
+                self._inbox_requests += 1
                 self._inbox.put(("submit", handle))
                 return handle
         _put_all(handle.events, [closed, None])
@@ -125,8 +139,10 @@ class EngineWorker:
         engine = self.engine
         try:
             while self._take_inbox(block=not engine.has_work):
+                # What the inbox brought counts as waiting in the engine now (and an abort
+                # may have left it idle).
+                self._update_snapshot()
                 if not engine.has_work:
-                    self._update_snapshot()  # an abort may have left the engine idle
                     continue
                 finished = engine.step()
                 # The numbers first: a client that got this round's events reads them.
@@ -163,6 +179,7 @@ class EngineWorker:
                 return False
             if kind == "submit":
                 self._submit(value)
+                self._taken += 1
             elif kind == "abort":
                 self._abort(value)
             else:
@@ -221,7 +238,7 @@ class EngineWorker:
         e = self.engine
         st = e.stats
         running = {s.request.id for s in e.scheduler.owner if s is not None}
-        self.snapshot = Snapshot(
+        snapshot = Snapshot(
             waiting=len(e.scheduler.queue),
             running=len(running),
             busy_slots=e.busy_slots,
@@ -229,13 +246,18 @@ class EngineWorker:
             prompt_tokens=st.prompt_tokens,
             generated_tokens=st.generated_tokens,
             compressions=st.compressions,
+            prompt_compressions=st.prompt_compressions,
             stalled_row_steps=st.stalled_row_steps,
             decode_steps=st.decode_steps,
             aborted=st.aborted,
             decoded_tokens=st.decoded_tokens,
         )
+        with self._lock:  # the requests taken from the inbox are in this snapshot's count now
+            self.snapshot = snapshot
+            self._inbox_requests -= self._taken
+        self._taken = 0
         if self._metrics is not None:
-            self._metrics.tick(self.snapshot)
+            self._metrics.tick(snapshot)
 
 
 def _put_all(q: asyncio.Queue, events: list) -> None:
