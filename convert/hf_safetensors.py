@@ -271,3 +271,22 @@ def load_weights(
     if values.keys() != flat_spec.keys():  # the rule table and the model must agree exactly
         raise AssertionError(f"rule table out of sync: {sorted(values.keys() ^ flat_spec.keys())}")
     return nnx.merge(graphdef, nnx.from_flat_state(list(values.items())))
+
+
+def hf_tensors(decoder: Decoder, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The decoder's weights as a Hugging Face checkpoint's tensors, by name: the inverse of
+    `load_weights`, read off the same rule table (a parameter several tensors fill is cut
+    along axis 1 in table order), so that a model trained here saves as a folder that
+    `rkvjax.load` and transformers read back unchanged."""
+    flat = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(decoder))}
+    offsets: dict[tuple, int] = {}
+    out = {}
+    for name, (path, hf_shape, fn) in expected_tensors(cfg).items():
+        arr = flat[path]
+        width = fn(np.zeros(hf_shape, np.int8)).shape  # this tensor's piece in our layout
+        if width != arr.shape:  # one of several pieces along PIECES_AXIS
+            at = offsets.get(path, 0)
+            offsets[path] = at + width[PIECES_AXIS]
+            arr = np.take(arr, range(at, at + width[PIECES_AXIS]), axis=PIECES_AXIS)
+        out[name] = np.ascontiguousarray(arr.reshape(hf_shape))
+    return out

@@ -1,0 +1,304 @@
+"""Trains the reasoner: a small Llama-architecture model that runs the task of
+`bench/reasoner/task.py` and writes its chain of thought, with JAX, Flax NNX and optax, from a
+seed, into a Hugging Face folder (config.json, model.safetensors, tokenizer files) that
+`rkvjax.load` reads.
+
+    python -m bench.reasoner.train bench/reasoner/model            # the committed checkpoint
+    python -m bench.reasoner.train /tmp/r --steps 20                # a smoke run
+
+The model is rkvjax's own decoder (`rkvjax.models.decoder.Decoder`), so what is trained is
+exactly what the engine runs. Each row of a batch packs whole problems (prompt, trace, end of
+sequence) end to end; attention stays inside a problem and positions restart at each, so one
+compiled step serves every length. The loss counts the trace and its end, not the prompt (whose
+digits are random). Problems are drawn afresh for every batch from the seed, on a curriculum:
+the longest problems grow from short loops over a few rounds to the full range. The same seed
+gives the same weights on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from bench.reasoner import task, tokens
+
+# The shape: a few million parameters; grouped-query attention so per-head kept sets differ.
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 6000
+    rows: int = 4  # B
+    length: int = 2048  # T: tokens per packed row
+    lr: float = 2e-3
+    warmup: int = 200
+    weight_decay: float = 0.05
+    clip: float = 1.0
+    # The curriculum: the largest ops and rounds a problem may have grow linearly from the
+    # first to the last pair over the first `grow` share of the steps.
+    start: tuple[int, int] = (2, 4)
+    end: tuple[int, int] = (8, 40)
+    grow: float = 0.6
+    shape: tuple[tuple[str, int], ...] = tuple(SHAPE.items())
+
+
+def hf_config(cfg: TrainConfig) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128,  # the tokenizer's 122, rounded up
+        **dict(cfg.shape),
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": tokens.VOCAB.index(tokens.EOS),
+        "pad_token_id": tokens.VOCAB.index(tokens.PAD),
+        "torch_dtype": "float32",
+    }
+
+
+def limits(cfg: TrainConfig, step: int) -> tuple[int, int]:
+    """The curriculum's (max ops, max rounds) at `step`."""
+    f = min(1.0, step / max(1, cfg.grow * cfg.steps))
+    return tuple(round(a + f * (b - a)) for a, b in zip(cfg.start, cfg.end, strict=True))
+
+
+def example(problem: task.Problem, tok) -> tuple[list[int], int]:
+    """(token ids of prompt, trace and end of sequence; the prompt's length)."""
+    prompt = tok.encode(problem.prompt()).ids
+    trace = tok.encode(problem.trace()).ids
+    return prompt + trace + [tokens.VOCAB.index(tokens.EOS)], len(prompt)
+
+
+def pack(rng: random.Random, tok, cfg: TrainConfig, step: int) -> dict[str, np.ndarray]:
+    """One batch of rows packed with whole problems: inputs, targets, loss weights, positions
+    within each problem and segment ids (0: padding)."""
+    b, t = cfg.rows, cfg.length + 1
+    ids = np.zeros((b, t), np.int32)
+    weight = np.zeros((b, t), np.float32)  # on the token predicted at this index
+    pos = np.zeros((b, t), np.int32)
+    seg = np.zeros((b, t), np.int32)
+    max_ops, max_rounds = limits(cfg, step)
+    for row in range(b):
+        at, n = 0, 0
+        while True:
+            p = task.sample(rng, ops=(1, max_ops), rounds=(1, max_rounds))
+            seq, plen = example(p, tok)
+            if at + len(seq) > t:
+                if at == 0:  # longer than a row: draw again
+                    continue
+                break
+            n += 1
+            ids[row, at : at + len(seq)] = seq
+            weight[row, at + plen : at + len(seq)] = 1.0
+            pos[row, at : at + len(seq)] = np.arange(len(seq))
+            seg[row, at : at + len(seq)] = n
+            at += len(seq)
+    return {
+        "inputs": ids[:, :-1],
+        "targets": ids[:, 1:],
+        "weights": weight[:, 1:],
+        "positions": pos[:, :-1],
+        "segments": seg[:, :-1],
+    }
+
+
+def logits(model, batch) -> jax.Array:
+    """The packed rows' logits [B, T, V] (float32): causal attention within each problem."""
+    from rkvjax import layers
+
+    seg = jnp.asarray(batch["segments"])  # [B, T]
+    t = seg.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+
+    def attend(i, q, k, v, state):
+        return layers.attention(q, k, v, mask, kv_axis=1), state
+
+    x, _ = model.hidden(jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]), attend, ())
+    return model.head(x)
+
+
+@nnx.jit
+def _argmax(model, batch):
+    return jnp.argmax(logits(model, batch), -1)
+
+
+def rows_of(problems: list[task.Problem], tok, multiple: int = 64) -> dict[str, np.ndarray]:
+    """One problem per row, padded to a common length (a multiple of `multiple`)."""
+    seqs = [example(p, tok) for p in problems]
+    t = -(-max(len(s) for s, _ in seqs) // multiple) * multiple + 1
+    ids = np.zeros((len(seqs), t), np.int32)
+    weight = np.zeros((len(seqs), t), np.float32)
+    for row, (seq, plen) in enumerate(seqs):
+        ids[row, : len(seq)] = seq
+        weight[row, plen : len(seq)] = 1.0
+    seg = (np.arange(t)[None] < np.array([len(s) for s, _ in seqs])[:, None]).astype(np.int32)
+    return {
+        "inputs": ids[:, :-1],
+        "targets": ids[:, 1:],
+        "weights": weight[:, 1:],
+        "positions": np.broadcast_to(np.arange(t - 1), (len(seqs), t - 1)).copy(),
+        "segments": seg[:, :-1],
+    }
+
+
+def teacher_forced(model, problems: list[task.Problem], tok, chunk: int = 16) -> dict:
+    """Greedy accuracy without decoding: a problem is right when every token of its trace and
+    end is the argmax given the right tokens before it, which is exactly when greedy decoding
+    writes the trace. Also the share of trace tokens right."""
+    whole, right, total = 0, 0, 0
+    for i in range(0, len(problems), chunk):
+        b = rows_of(problems[i : i + chunk], tok)
+        hit = np.asarray(_argmax(model, {k: jnp.asarray(v) for k, v in b.items()})) == b["targets"]
+        w = b["weights"] > 0
+        whole += int(np.sum(np.all(hit | ~w, axis=1)))
+        right += int(np.sum(hit & w))
+        total += int(np.sum(w))
+    return {"exact": whole / len(problems), "token": right / total}
+
+
+def _loss(model, batch):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits(model, batch), batch["targets"])
+    w = batch["weights"]  # the trace's tokens and its end only
+    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+@nnx.jit
+def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def optimizer_for(model, cfg: TrainConfig) -> nnx.Optimizer:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup, cfg.steps, end_value=cfg.lr / 20
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.clip), optax.adamw(schedule, weight_decay=cfg.weight_decay)
+    )
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def init(cfg: TrainConfig):
+    from rkvjax.convert.hf_config import parse_hf_config
+    from rkvjax.models.decoder import Decoder
+
+    mcfg = parse_hf_config(hf_config(cfg), "the reasoner's config")
+    return Decoder(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed)), mcfg
+
+
+def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True):
+    """Trains from `cfg.seed` and writes the folder; returns (model, losses)."""
+    from tqdm import tqdm
+
+    model, mcfg = init(cfg)
+    optimizer = optimizer_for(model, cfg)
+    tok = tokens.build()
+    rng = random.Random(cfg.seed)
+    losses = []
+    bar = tqdm(range(cfg.steps), desc="train", disable=not progress, file=sys.stderr)
+    for step in bar:
+        batch = pack(rng, tok, cfg, step)
+        loss = float(train_step(model, optimizer, {k: jnp.asarray(v) for k, v in batch.items()}))
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"the loss is {loss} at step {step}")
+        losses.append(loss)
+        if step % 10 == 0 or step == cfg.steps - 1:
+            ops, rounds = limits(cfg, step)
+            bar.set_postfix(loss=f"{loss:.4f}", ops=ops, rounds=rounds)
+            if log is not None:
+                row = {"step": step, "loss": loss, "max_ops": ops, "max_rounds": rounds,
+                       "time": time.time()}  # fmt: skip
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+    save(model, mcfg, cfg, out)
+    return model, losses
+
+
+def save(model, mcfg, cfg: TrainConfig, out: Path) -> None:
+    from rkvjax.convert.hf_safetensors import hf_tensors
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    gen = {"eos_token_id": hf_config(cfg)["eos_token_id"], "pad_token_id": 0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    tensors = hf_tensors(model, mcfg)
+    tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokens.save(out)
+    (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+
+
+def plot_losses(losses: list[float], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no loss plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(losses, lw=0.5, alpha=0.4, label="step")
+    k = max(1, len(losses) // 100)
+    smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+    ax.plot(np.arange(k - 1, len(losses)), smooth, label=f"mean of {k}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy on the trace (nats/token)")
+    ax.set_title("the reasoner's training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path, help="the model folder to write")
+    d = TrainConfig()
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--rows", type=int, default=d.rows)
+    p.add_argument("--length", type=int, default=d.length)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, rows=args.rows, length=args.length,
+                      lr=args.lr)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "train_log.jsonl", "w") as log:
+        _, losses = train(cfg, args.out, log=log, progress=not args.no_progress)
+    plot_losses(losses, args.out / "loss.png")
+    print(f"wrote {args.out} (final loss {losses[-1]:.4f})")
+
+
+if __name__ == "__main__":
+    main()

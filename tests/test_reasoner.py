@@ -1,0 +1,142 @@
+"""The reasoner: its task (generator, trace, grader), tokenizer, the exporter its checkpoint is
+written with, and the training program (reproducible from a seed, loadable by the engine)."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+import rkvjax
+from bench.reasoner import task, tokens, train
+
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
+
+
+def test_the_issue_example_runs_to_its_answer():
+    p = task.parse(
+        "vars a=5 b=2 c=6 d=0 e=1 f=8 g=1 h=5\nloop a=d+b g=g+d b=g+b d=a-a d=a+e\nrounds 14\n"
+        "ask c\n"
+    )
+    trace = p.trace()
+    assert trace.startswith("round 1\na=d+b=0+2=2\ng=g+d=1+0=1\n")
+    # The issue elides rounds 2-13 and its last op line is illustrative: run in order on the
+    # current values (as the issue specifies), round 14 ends a=3 g=9 b=8 d=0 then d=3+1=4.
+    assert trace.split("\n")[-7:-1] == [
+        "round 14", "a=d+b=4+9=3", "g=g+d=5+4=9", "b=g+b=9+9=8", "d=a-a=3-3=0", "d=a+e=3+1=4"
+    ]  # fmt: skip
+    assert trace.endswith("answer 6")
+    assert p.answer() == 6 and task.grade(p, trace) == task.Grade(True, 6, 6, None, 14, None)
+
+
+def _reference_answer(p: task.Problem) -> int:
+    env = dict(zip("abcdefgh", p.values, strict=True))
+    for _ in range(p.rounds):
+        for t, x, s, y in p.ops:
+            env[t] = (env[x] + (env[y] if s == "+" else -env[y])) % 10
+    return env[p.ask]
+
+
+def test_problems_are_seeded_in_range_and_parse_back():
+    ps = task.problems(7, 200)
+    assert ps == task.problems(7, 200) and ps != task.problems(8, 200)
+    for p in ps:
+        assert 3 <= len(p.ops) <= 5 and 8 <= p.rounds <= 20
+        assert task.parse(p.prompt()) == p
+        assert p.answer() == _reference_answer(p)
+    with pytest.raises(ValueError, match="line 3"):
+        task.parse(ps[0].prompt().replace(f"rounds {ps[0].rounds}", "rounds 41"))
+    with pytest.raises(ValueError, match="ops"):
+        task.sample(random.Random(0), ops=(0, 3))
+
+
+def test_the_grader_names_what_went_wrong():
+    p = task.problems(0, 1)[0]
+    good = p.trace()
+    lines = good.split("\n")
+    lines[2] = lines[2][:-1] + str((int(lines[2][-1]) + 1) % 10)  # a result written wrong
+    got = task.grade(p, "\n".join(lines))
+    assert got.failure == "value" and got.first_wrong_line == 3
+    assert task.grade(p, good.replace("answer", "the answer is")).failure == "no answer"
+    short = good.rsplit(f"round {p.rounds}\n", 1)[0] + f"answer {p.answer()}"
+    assert task.grade(p, short).failure == "rounds"
+    wrong = good[:-1] + str((p.answer() + 1) % 10)
+    assert task.grade(p, wrong) == task.Grade(False, (p.answer() + 1) % 10, p.answer(),
+                                              "answer", p.rounds, None)  # fmt: skip
+
+
+def test_the_tokenizer_encodes_every_text_and_the_engine_reads_it(tmp_path):
+    tok = tokens.build()
+    for p in task.problems(1, 50, ops=(1, 8), rounds=(1, 40)):
+        text = p.prompt() + p.trace()
+        enc = tok.encode(text)
+        assert tokens.UNK not in enc.tokens and tok.decode(enc.ids) == text
+    assert tok.encode("rounds 12\nround 3\n").tokens == ["rounds ", "1", "2\n", "round ", "3\n"]
+    assert tok.encode("a=d+b=0+2=2\n").tokens == ["a=", "d+", "b=", "0+", "2=", "2\n"]
+    tokens.save(tmp_path)
+    from rkvjax.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(tmp_path)
+    text = task.problems(2, 1)[0].prompt()
+    assert ours.encode(text) == tok.encode(text).ids
+    assert ours.eos_token_ids == (tokens.VOCAB.index(tokens.EOS),)
+
+
+def test_hf_tensors_inverts_loading(tiny_checkpoint):
+    """A loaded checkpoint's weights, exported, are the checkpoint's tensors exactly."""
+    from rkvjax.convert.hf_safetensors import hf_tensors
+    from safetensors.numpy import load_file
+
+    for kind in ("llama", "llama_mha_tied_bias", "qwen2", "qwen3"):
+        folder, _ = tiny_checkpoint(kind)
+        model = rkvjax.load(folder, dtype="float32")
+        want = load_file(folder / "model.safetensors")
+        got = hf_tensors(model.decoder, model.config)
+        if model.config.tie_embeddings:
+            want.pop("lm_head.weight", None)
+        assert got.keys() == want.keys(), kind
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name].astype(np.float32), err_msg=name)
+
+
+def test_training_is_reproducible_and_the_engine_runs_its_folder(tmp_path):
+    """The same seed gives the same weights; the folder loads and generates through rkvjax."""
+    cfg = train.TrainConfig(steps=3, rows=2, length=192, warmup=1, shape=tuple(SMALL.items()))
+    a, losses = train.train(cfg, tmp_path / "a", progress=False)
+    train.train(cfg, tmp_path / "b", progress=False)
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
+    other = train.TrainConfig(**{**cfg.__dict__, "seed": 1})
+    train.train(other, tmp_path / "c", progress=False)
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() != (
+        tmp_path / "a" / "model.safetensors"
+    ).read_bytes()
+    assert json.loads((tmp_path / "a" / "train_config.json").read_text())["seed"] == 0
+    model = rkvjax.load(tmp_path / "a", dtype="float32")
+    problem = task.problems(0, 1)[0]
+    prompt = problem.prompt()
+    out = rkvjax.generate(model, prompt, max_new_tokens=8, chat=False)
+    assert len(out.token_ids) <= 8
+    # The teacher-forced argmax after the prompt is the engine's first greedy token.
+    tok = tokens.build()
+    rows = train.rows_of([problem], tok)
+    first = np.asarray(train._argmax(a, rows))[0, len(tok.encode(prompt).ids) - 1]
+    assert first == out.token_ids[0]
+    score = train.teacher_forced(a, [problem] * 3, tok)
+    assert score["exact"] in (0.0, 1.0) and 0 <= score["token"] <= 1
+    # What the engine computes is what training computed: the full forward's logits agree.
+    ids = model.tokenizer.encode(prompt)
+    batch = {"inputs": np.array([ids]), "positions": np.arange(len(ids))[None],
+             "segments": np.ones((1, len(ids)), np.int32)}  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(rkvjax.logits(model, ids))[0], np.asarray(train.logits(a, batch))[0], atol=1e-4
+    )
