@@ -45,7 +45,10 @@ SUITES = (
     "load",
     "serve",
     "invariance",
+    "reasoner",
 )
+# A suite that lives in a package of its own.
+_MODULES = {"reasoner": "bench.reasoner.suite"}
 TINY_OUT = Path(tempfile.gettempdir()) / "rkvjax-bench-tiny"
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
 
@@ -54,7 +57,7 @@ def suite_module(name: str):
     """A suite: its docstring says what it measures; add_arguments(parser), TINY (the option
     defaults of its tiny variant), PREFER_MEMORY (XLA:CPU's memory-saving scheduler, see
     rkvjax/xla_flags.py), run(args, folder) -> rows, table(rows) -> Markdown, plot(plt, rows)."""
-    return importlib.import_module(f"bench.{name}")
+    return importlib.import_module(_MODULES.get(name, f"bench.{name}"))
 
 
 def _parser(module=None, tiny: bool = False) -> argparse.ArgumentParser:

@@ -140,3 +140,27 @@ def test_training_is_reproducible_and_the_engine_runs_its_folder(tmp_path):
     np.testing.assert_allclose(
         np.asarray(rkvjax.logits(model, ids))[0], np.asarray(train.logits(a, batch))[0], atol=1e-4
     )
+
+
+def test_the_suite_grades_settings_and_splits_by_length():
+    from bench.reasoner import suite
+
+    ps = task.problems(3, 40)
+    lengths = [len(p.trace()) for p in ps]
+    edges = suite.quartile_edges(lengths)
+    perfect = suite.grade_all(ps, [p.trace() for p in ps], lengths, edges)
+    assert perfect["accuracy"] == 100 and perfect["accuracy_by_length"] == [100.0] * 4
+    silent = suite.grade_all(ps, [""] * len(ps), lengths, edges)
+    assert silent["accuracy"] == 0 and silent["failures"]["no answer"] == len(ps)
+    # Right only on the shortest quarter: the buckets say so.
+    short = [p.trace() if n <= edges[0] else "" for p, n in zip(ps, lengths, strict=True)]
+    split = suite.grade_all(ps, short, lengths, edges)
+    assert split["accuracy_by_length"][0] == 100 and split["accuracy_by_length"][1:] == [0.0] * 3
+
+    import argparse
+
+    args = argparse.Namespace(methods=["full", "rkv", "snapkv"], budgets=[32, 64],
+                              kv_dtypes=["model", "int8"], shares=["none", "heads"])  # fmt: skip
+    got = suite.settings(args)
+    assert len(got) == 2 * (1 + 2 * 2 * 2)  # FullKV once per storage type
+    assert {"method": "full", "budget": None, "kv_dtype_arg": "int8", "share": "none"} in got
