@@ -18,7 +18,7 @@ from pathlib import Path
 
 import rkvjax
 from bench import common
-from rkvjax import defaults, evaluation, quantization
+from rkvjax import defaults, evaluation
 
 PREFER_MEMORY = True
 TINY = {
@@ -58,13 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[128, 256])
     p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
     p.add_argument("--slots", type=int, default=None)
-    p.add_argument(
-        "--kv-dtypes",
-        nargs="+",
-        choices=["model", *quantization.KV_DTYPES],
-        default=["model"],
-        help="cache storage types to run every setting with (model: the model's dtype)",
-    )
+    common.add_kv_dtypes_argument(p)
 
 
 def _settings(args, model, name, folder) -> dict:

@@ -197,6 +197,23 @@ def add_kv_dtype_argument(p: argparse.ArgumentParser, several: bool = False) -> 
     )
 
 
+def add_kv_dtypes_argument(p: argparse.ArgumentParser) -> None:
+    """--kv-dtypes: cache storage types to run every setting with ("model": the model's own;
+    `kv_dtype_arg` reads one back as `generate`'s kv_dtype)."""
+    p.add_argument(
+        "--kv-dtypes",
+        nargs="+",
+        choices=["model", *quantization.KV_DTYPES],
+        default=["model"],
+        help="cache storage types to run every setting with (model: the model's dtype)",
+    )
+
+
+def kv_dtype_arg(name: str) -> str | None:
+    """A --kv-dtypes entry as `kv_dtype=`: None for "model"."""
+    return None if name == "model" else name
+
+
 def kv_dtype_name(kv_dtype: str | None, model_dtype) -> str:
     """What a cache of `kv_dtype` stores, by name: the model's dtype when None."""
     return quantization.cache_dtype(kv_dtype, model_dtype).name

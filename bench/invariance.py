@@ -52,7 +52,7 @@ def run(args, folder) -> list[dict]:
     params = rkvjax.SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
     rows = []
     for kv in args.kv_dtypes:
-        kv_dtype = None if kv == "model" else kv
+        kv_dtype = common.kv_dtype_arg(kv)
         cc = rkvjax.compression_config("rkv", args.budget, buffer=args.buffer, kv_dtype=kv_dtype)
         for batch in args.batches:
             ids = common.random_prompts(model, batch)

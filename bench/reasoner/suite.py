@@ -29,7 +29,7 @@ import numpy as np
 import rkvjax
 from bench import common
 from bench.reasoner import task
-from rkvjax import defaults, policies, quantization
+from rkvjax import defaults, policies
 
 PREFER_MEMORY = True
 MODEL = Path(__file__).resolve().parent / "model"
@@ -65,13 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_methods_argument(p, ["full", *policies.BUILTINS], full=True)
     p.add_argument("--budgets", type=common.int_at_least(2), nargs="+", default=list(BUDGETS))
     p.add_argument("--buffer", type=common.int_at_least(1), default=defaults.BUFFER)
-    p.add_argument(
-        "--kv-dtypes",
-        nargs="+",
-        choices=["model", *quantization.KV_DTYPES],
-        default=["model"],
-        help="cache storage types to run every setting with (model: the model's dtype)",
-    )
+    common.add_kv_dtypes_argument(p)
     p.add_argument(
         "--shares",
         nargs="+",
@@ -121,13 +115,13 @@ def settings(args) -> list[dict]:
     return out
 
 
-def _calibration(model, tok_model, folder: Path, name: str) -> str:
+def _calibration(model, folder: Path, name: str) -> str:
     from rkvjax import calibration
 
     path = folder / f"calibration-{name}.npz"
     if not path.is_file():
         problems = task.problems(CALIBRATION_SEED, CALIBRATION_PROBLEMS)
-        ids = [tok_model.encode(p.prompt() + p.trace()) for p in problems]
+        ids = [model.tokenizer.encode(p.prompt() + p.trace()) for p in problems]
         stats = calibration.calibrate(
             model, ids, source=f"bench reasoner: {len(ids)} training-distribution problems"
         )
@@ -159,15 +153,13 @@ def grade_all(problems, texts, lengths, edges) -> dict:
     }
 
 
-def _done(folder: Path, key: dict) -> dict | None:
+def _earlier_rows(folder: Path) -> list[dict]:
     path = folder / "results.jsonl"
-    if not path.is_file():
-        return None
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if all(row.get(k) == v for k, v in key.items()):
-            return row
-    return None
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _done(earlier: list[dict], key: dict) -> dict | None:
+    return next((r for r in earlier if all(r.get(k) == v for k, v in key.items())), None)
 
 
 def run(args, folder) -> list[dict]:
@@ -190,10 +182,10 @@ def run(args, folder) -> list[dict]:
         "rounds": list(args.rounds),
         "buffer": args.buffer,
     }
-    rows = []
+    rows, earlier = [], _earlier_rows(folder)
     for s in settings(args):
         key = {**base, **s}
-        old = _done(folder, key)
+        old = _done(earlier, key)
         if old is not None:
             rows.append(old)
             continue
@@ -201,8 +193,8 @@ def run(args, folder) -> list[dict]:
         if s["method"] != "full":
             cache["share"] = s["share"]
             if "calibration" in policies.option_names(s["method"]):
-                cache["calibration"] = _calibration(model, model.tokenizer, folder, name)
-        kv_dtype = None if s["kv_dtype_arg"] == "model" else s["kv_dtype_arg"]
+                cache["calibration"] = _calibration(model, folder, name)
+        kv_dtype = common.kv_dtype_arg(s["kv_dtype_arg"])
         t0 = time.perf_counter()
         outs = rkvjax.generate(
             model,

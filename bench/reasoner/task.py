@@ -29,6 +29,11 @@ _OP = re.compile(r"([a-h])=([a-h])([+-])([a-h])")
 _LINE = re.compile(r"([a-h])=([a-h])([+-])([a-h])=(\d)\1?([+-])(\d)=(\d)")
 
 
+def apply(sign: str, a: int, b: int) -> int:
+    """One op's result: a + b or a - b, mod 10."""
+    return (a + b) % 10 if sign == "+" else (a - b) % 10
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """One problem: initial values, the loop's ops (target, x, sign, y), rounds, asked name."""
@@ -51,7 +56,7 @@ class Problem:
             lines.append(f"round {r}\n")
             for t, x, s, y in self.ops:
                 a, b = env[x], env[y]
-                env[t] = (a + b) % 10 if s == "+" else (a - b) % 10
+                env[t] = apply(s, a, b)
                 lines.append(f"{t}={x}{s}{y}={a}{s}{b}={env[t]}\n")
         return "".join(lines) + f"answer {env[self.ask]}"
 
@@ -66,9 +71,9 @@ class Problem:
 def sample(rng: random.Random, ops: tuple[int, int] = (3, 5), rounds: tuple[int, int] = (8, 20)):
     """A random problem with a number of ops and rounds drawn uniformly from the inclusive
     ranges."""
-    n = rng.randint(*ops)
     if not (1 <= ops[0] <= ops[1] <= MAX_OPS and 1 <= rounds[0] <= rounds[1] <= MAX_ROUNDS):
         raise ValueError(f"ops {ops} must lie in 1..{MAX_OPS}, rounds {rounds} in 1..{MAX_ROUNDS}")
+    n = rng.randint(*ops)
     return Problem(
         values=tuple(rng.randrange(10) for _ in VARIABLES),
         ops=tuple(
@@ -159,7 +164,7 @@ def grade(problem: Problem, text: str) -> Grade:
             failure, wrong = "format", i
             break
         a, b = env[x], env[y]
-        env[t] = (a + b) % 10 if s == "+" else (a - b) % 10
+        env[t] = apply(s, a, b)
         if (int(m[5]), int(m[7]), int(m[8])) != (a, b, env[t]):
             failure, wrong = "value", i
             break

@@ -99,28 +99,39 @@ def example(problem: task.Problem, tok) -> tuple[list[int], int]:
 
 
 def pack(rng: random.Random, tok, cfg: TrainConfig, step: int) -> dict[str, np.ndarray]:
-    """One batch of rows packed with whole problems: inputs, targets, loss weights, positions
-    within each problem and segment ids (0: padding)."""
-    b, t = cfg.rows, cfg.length + 1
-    ids = np.zeros((b, t), np.int32)
-    weight = np.zeros((b, t), np.float32)  # on the token predicted at this index
-    pos = np.zeros((b, t), np.int32)
-    seg = np.zeros((b, t), np.int32)
+    """One batch of rows packed with whole problems drawn on the curriculum at `step`."""
     max_ops, max_rounds = limits(cfg, step)
-    for row in range(b):
-        at, n = 0, 0
+    rows = []
+    for _ in range(cfg.rows):
+        row, at = [], 0
         while True:
             p = task.sample(rng, ops=(1, max_ops), rounds=(1, max_rounds))
             seq, plen = example(p, tok)
-            if at + len(seq) > t:
+            if at + len(seq) > cfg.length + 1:
                 if at == 0:  # longer than a row: draw again
                     continue
                 break
-            n += 1
-            ids[row, at : at + len(seq)] = seq
-            weight[row, at + plen : at + len(seq)] = 1.0
-            pos[row, at : at + len(seq)] = np.arange(len(seq))
-            seg[row, at : at + len(seq)] = n
+            row.append((seq, plen))
+            at += len(seq)
+        rows.append(row)
+    return laid_out(rows, cfg.length + 1)
+
+
+def laid_out(rows: list[list[tuple[list[int], int]]], t: int) -> dict[str, np.ndarray]:
+    """Rows of examples (token ids, prompt length) laid end to end in `t` tokens each, as a
+    batch: inputs, targets, loss weights (the trace and its end), positions within each
+    example and segment ids (1, 2, ... per example; 0: padding)."""
+    ids = np.zeros((len(rows), t), np.int32)
+    weight = np.zeros((len(rows), t), np.float32)  # on the token predicted at this index
+    pos = np.zeros((len(rows), t), np.int32)
+    seg = np.zeros((len(rows), t), np.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for n, (seq, plen) in enumerate(row, 1):
+            ids[r, at : at + len(seq)] = seq
+            weight[r, at + plen : at + len(seq)] = 1.0
+            pos[r, at : at + len(seq)] = np.arange(len(seq))
+            seg[r, at : at + len(seq)] = n
             at += len(seq)
     return {
         "inputs": ids[:, :-1],
@@ -156,19 +167,7 @@ def rows_of(problems: list[task.Problem], tok, multiple: int = 64) -> dict[str, 
     """One problem per row, padded to a common length (a multiple of `multiple`)."""
     seqs = [example(p, tok) for p in problems]
     t = -(-max(len(s) for s, _ in seqs) // multiple) * multiple + 1
-    ids = np.zeros((len(seqs), t), np.int32)
-    weight = np.zeros((len(seqs), t), np.float32)
-    for row, (seq, plen) in enumerate(seqs):
-        ids[row, : len(seq)] = seq
-        weight[row, plen : len(seq)] = 1.0
-    seg = (np.arange(t)[None] < np.array([len(s) for s, _ in seqs])[:, None]).astype(np.int32)
-    return {
-        "inputs": ids[:, :-1],
-        "targets": ids[:, 1:],
-        "weights": weight[:, 1:],
-        "positions": np.broadcast_to(np.arange(t - 1), (len(seqs), t - 1)).copy(),
-        "segments": seg[:, :-1],
-    }
+    return laid_out([[s] for s in seqs], t)
 
 
 def teacher_forced(model, problems: list[task.Problem], tok, chunk: int = 16) -> dict:
