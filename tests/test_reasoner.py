@@ -65,6 +65,10 @@ def test_the_grader_names_what_went_wrong():
     got = task.grade(p, "\n".join(lines))
     assert got.failure == "value" and got.first_wrong_line == 3
     assert task.grade(p, good.replace("answer", "the answer is")).failure == "no answer"
+    # A stray letter inside an op line is not the format (`a=d+b=0a+2=2`: the target repeated).
+    op = good.split("\n")[1]
+    stray = good.replace(op, op[:7] + op[0] + op[7:], 1)
+    assert task.grade(p, stray).failure == "format" and task.grade(p, stray).first_wrong_line == 2
     short = good.rsplit(f"round {p.rounds}\n", 1)[0] + f"answer {p.answer()}"
     assert task.grade(p, short).failure == "rounds"
     wrong = good[:-1] + str((p.answer() + 1) % 10)

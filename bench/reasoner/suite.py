@@ -115,10 +115,11 @@ def settings(args) -> list[dict]:
     return out
 
 
-def _calibration(model, folder: Path, name: str) -> str:
+def _calibration(model, folder: Path, weights: str) -> str:
+    """TriAttention's statistics of these weights (by digest: a retrained model gets its own)."""
     from rkvjax import calibration
 
-    path = folder / f"calibration-{name}.npz"
+    path = folder / f"calibration-{weights}.npz"
     if not path.is_file():
         problems = task.problems(CALIBRATION_SEED, CALIBRATION_PROBLEMS)
         ids = [model.tokenizer.encode(p.prompt() + p.trace()) for p in problems]
@@ -193,7 +194,7 @@ def run(args, folder) -> list[dict]:
         if s["method"] != "full":
             cache["share"] = s["share"]
             if "calibration" in policies.option_names(s["method"]):
-                cache["calibration"] = _calibration(model, folder, name)
+                cache["calibration"] = _calibration(model, folder, base["weights"])
         kv_dtype = common.kv_dtype_arg(s["kv_dtype_arg"])
         t0 = time.perf_counter()
         outs = rkvjax.generate(

@@ -26,7 +26,7 @@ MAX_OPS = 8
 MAX_ROUNDS = 40
 ANSWER = re.compile(r"answer (\d)\s*$")
 _OP = re.compile(r"([a-h])=([a-h])([+-])([a-h])")
-_LINE = re.compile(r"([a-h])=([a-h])([+-])([a-h])=(\d)\1?([+-])(\d)=(\d)")
+_LINE = re.compile(r"([a-h])=([a-h])([+-])([a-h])=(\d)([+-])(\d)=(\d)")
 
 
 def apply(sign: str, a: int, b: int) -> int:
