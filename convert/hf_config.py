@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rkvjax.config import ModelConfig, RopeScaling
+from rkvjax.models.config import ModelConfig, RopeScaling
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

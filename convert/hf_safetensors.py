@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from rkvjax.convert.errors import CheckpointError
 from rkvjax.convert.hf_config import read_json_object
+from rkvjax.models.config import ModelConfig
 from rkvjax.models.decoder import Decoder, abstract_decoder
 
 from rkvjax import sharding
-from rkvjax.config import ModelConfig
 
 _DTYPES = {
     "F64": np.float64,
@@ -36,10 +37,6 @@ _DTYPES = {
     "I64": np.int64,
     "I32": np.int32,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the model its config describes."""
 
 
 class SafetensorsFile:

@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from rkvjax.models.config import ModelConfig
 
 from rkvjax import layers
-from rkvjax.config import ModelConfig
 
 # attend(layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], state) -> (out [B,T,N,H], state)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]

@@ -13,8 +13,9 @@ from rkvjax.lazy import attribute_loader
 if TYPE_CHECKING:
     from rkvjax import compression, evaluation, jobs, policies
     from rkvjax.api import generate, logits, score
-    from rkvjax.config import CompressionConfig, ModelConfig, compression_config
+    from rkvjax.config import CompressionConfig, compression_config
     from rkvjax.loading import Model, load
+    from rkvjax.models.config import ModelConfig
     from rkvjax.results import (
         GenerationResult,
         GenerationStats,
@@ -31,7 +32,7 @@ _HOMES = {
     "GenerationResult": "rkvjax.results",
     "GenerationStats": "rkvjax.results",
     "Model": "rkvjax.loading",
-    "ModelConfig": "rkvjax.config",
+    "ModelConfig": "rkvjax.models.config",
     "RunStats": "rkvjax.results",
     "SamplingParams": "rkvjax.sampling_params",
     "ScoreResult": "rkvjax.results",

@@ -7,26 +7,23 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
-from rkvjax import programs, quantization, requests, runtime
+from rkvjax import programs, requests, runtime
 from rkvjax.config import CompressionConfig, compression_config
 from rkvjax.defaults import BUFFER, WINDOW
 from rkvjax.loading import DEFAULT_MODEL, Model, as_dtype, load
 from rkvjax.results import GenerationResult, GenerationStats, ScoreResult
+from rkvjax.runtime import sizing
 from rkvjax.sampling_params import SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_MODEL",
-    "MEMORY_SHARE",
     "GenerationResult",
     "GenerationStats",
     "Model",
     "ScoreResult",
     "as_dtype",
-    "default_slots",
-    "device_memory",
     "engine_for",
     "generate",
     "load",
@@ -36,8 +33,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 256
-# How much of a device's memory, less the weights, the default slot count may take.
-MEMORY_SHARE = 0.5
 
 
 def per_prompt_sampling(n_prompts: int, **kw) -> list[SamplingParams]:
@@ -76,77 +71,6 @@ def _think_end_id(model: Model, token: str | int) -> int:
             "think-only mode needs a model with a dedicated end-of-thinking token"
         )
     return ids[0]
-
-
-def _slot_bytes(
-    model: Model,
-    capacity: int,
-    window: int,
-    penalties: bool,
-    state: bool = False,
-    kv_dtype: str | None = None,
-) -> int:
-    """Device bytes one slot holds: its K/V cache, slot positions, per-key state (`state`:
-    a method that keeps one) and query ring, stored as `kv_dtype` (None: the model's dtype;
-    an 8-bit cache adds a float32 scale per vector)."""
-    cfg = model.config
-    dtype = quantization.cache_dtype(kv_dtype, model.dtype)
-    # Bytes of one stored vector of head_dim numbers, its scale included.
-    vector = cfg.head_dim * dtype.itemsize + (4 if quantization.is_quantized(dtype) else 0)
-    per_layer = cfg.kv_heads * capacity * (2 * vector + 4 + (4 if state else 0))
-    per_layer += cfg.q_heads * window * vector
-    return cfg.num_layers * per_layer + (5 * cfg.vocab_size if penalties else 0)
-
-
-def device_memory(model: Model) -> int | None:
-    """Bytes one device has for slots: its memory (the limit a GPU or TPU reports; on CPU the
-    host's total) less the model's weights on it. Fixed for a model on a machine: the slot
-    count that follows from it, and so every compiled shape, does not move from run to run
-    with what else happens to be allocated. None when nothing says."""
-    leaves = [x for x in jax.tree.leaves(nnx.state(model.decoder)) if isinstance(x, jax.Array)]
-    dev = model.device
-    total = (dev.memory_stats() or {}).get("bytes_limit")
-    if total is None:
-        try:
-            with open("/proc/meminfo") as f:
-                total = next(
-                    int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:")
-                )
-        except (OSError, StopIteration):
-            return None
-    weights = sum(
-        shard.data.nbytes for x in leaves for shard in x.addressable_shards if shard.device == dev
-    )
-    return max(0, total - weights)
-
-
-def default_slots(
-    model: Model,
-    samples: int,
-    capacity: int,
-    window: int,
-    penalties: bool,
-    state: bool = False,
-    kv_dtype: str | None = None,
-    *,
-    peak_rows: float = 1.0,
-) -> int:
-    """Every sample at once when their caches fit in half of each device's memory (less the
-    weights), else the largest power of two of rows that does (at least one per data shard).
-    `peak_rows`: the rows' worth of cache the engine holds at its peak per slot (a server:
-    its state and half as many rows again, `serve.server.PEAK_ROWS`), so that the peak fits.
-    Deterministic: the same call gets the same slots, so it compiles the same programs."""
-    memory = device_memory(model)
-    fit = samples
-    if memory is not None:
-        per_slot = _slot_bytes(model, capacity, window, penalties, state, kv_dtype) * peak_rows
-        fit = int(memory * MEMORY_SHARE * model.data_shards // per_slot)
-        fit = 1 << (fit.bit_length() - 1) if fit else 0
-    if jax.process_count() > 1:  # every process must build the same engine: process 0's count
-        from jax.experimental import multihost_utils
-
-        fit = int(multihost_utils.broadcast_one_to_all(np.int64(fit)))
-    return max(model.data_shards, min(samples, fit))
 
 
 def _stop_width(model: Model, params: list[SamplingParams]) -> int:
@@ -221,10 +145,8 @@ def engine_for(
     else:
         capacity = requests.bucket(longest, model.config.max_positions - max_new) + max_new - 1
     if slots is None:
-        window_slots = cc.window if cc.compressing else 0
-        stateful = cc.state is not None
-        slots = default_slots(
-            model, samples, capacity, window_slots, penalties, stateful, cc.kv_dtype
+        slots = sizing.default_slots(
+            model, cc, samples=samples, capacity=capacity, penalties=penalties
         )
         if slot_cap is not None:
             slots = max(model.data_shards, min(slots, slot_cap))
@@ -293,7 +215,7 @@ def generate(
         stop_token_ids, ignore_eos, logprobs). Without it, the shorthand keywords below apply.
       slots: rows decoded at once (default: every sample, when their caches fit in half of a
         device's memory less the weights, else the largest power of two of rows that does:
-        `default_slots`). A finished row takes the next prompt at once.
+        `runtime.sizing.default_slots`). A finished row takes the next prompt at once.
       budget: KV tokens kept per (layer, KV head, row) by a compressing method (window
         included): an int, or a float in (0, 1] as a fraction of the longest prompt + the
         longest max_tokens. None = FullKV.

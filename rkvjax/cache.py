@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from rkvjax import layers, quantization, sharding
-from rkvjax.config import ModelConfig
+from rkvjax.models.config import ModelConfig
 
 Scale = jax.Array | None
 

@@ -17,6 +17,7 @@ from rkvjax import (
     checks,
     defaults,
     evaluation,
+    home,
     jobs,
     loading,
     policies,
@@ -558,10 +559,10 @@ def _listed(out) -> list:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from rkvjax.convert import checkpoint
+    from rkvjax import loading
 
     t0 = time.perf_counter()
-    out = checkpoint.convert(
+    out = loading.convert(
         args.source, args.output, dtype=args.dtype, mesh=_mesh(args), overwrite=args.overwrite
     )
     if jax.process_index() == 0:
@@ -684,6 +685,7 @@ def _eval_line(summary: dict, out_dir) -> str:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from rkvjax import calibration
+    from rkvjax.policies import triattention_stats
 
     out = Path(args.output)
     jobs.output.check_folder(out)  # before the model loads, not after the whole calibration
@@ -702,7 +704,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         model, ids, progress=_progress(args) and primary, source=str(Path(args.data).resolve())
     )
     if primary:
-        calibration.save(stats, out, overwrite=args.overwrite)
+        triattention_stats.save(stats, out, overwrite=args.overwrite)
         print(
             f"[rkvjax] wrote {out}: query statistics of {model.path.name} ({model.config.arch}, "
             f"{model.dtype.__name__}) over {stats.meta['prompts']} prompts, "
@@ -807,23 +809,6 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _enable_compile_cache() -> None:
-    """Keeps compiled programs in $RKVJAX_HOME/xla_cache, so a repeated command skips XLA
-    compilation (about 4x less compile time for the default model). The command line owns the
-    process; the library leaves JAX's global configuration alone."""
-    import os
-
-    import jax
-
-    from rkvjax.convert.default_model import rkvjax_home
-
-    if os.environ.get("RKVJAX_COMPILE_CACHE", "1") == "0":
-        return
-    if jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", str(rkvjax_home() / "xla_cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def _method_choices() -> tuple[str, ...]:
     """The methods the flags accept: every registered one, or the built-ins when a plug-in
     fails to load (`main` reports that to the commands that take a method)."""
@@ -846,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "merge":  # files only: no devices, no model
             return _merge(args)
         sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-        _enable_compile_cache()
+        home.enable_compile_cache()
         commands = {
             "batch": _batch,
             "calibrate": _calibrate,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:  # config builds cache policies, whose scores use these layers
-    from rkvjax.config import ModelConfig
+    from rkvjax.models.config import ModelConfig
 
 
 # A finite "minus infinity": a query whose keys are all masked (a pad row) gets a uniform, finite

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 
 from rkvjax import sharding
-from rkvjax.config import ModelConfig
+from rkvjax.convert.default_model import DEFAULT_MODEL
+from rkvjax.models.config import ModelConfig
 from rkvjax.tokenizer import Tokenizer
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -212,3 +213,37 @@ def random_init(config: str | Path | dict, *, dtype="bfloat16", seed: int = 0) -
         return nnx.split(Decoder(shape.config, dtype=shape.dtype, rngs=nnx.Rngs(seed)))[1]
 
     return dataclasses.replace(shape, decoder=nnx.merge(graphdef, init()))
+
+
+def _source_paths(src) -> list[Path]:
+    """The files and folders `rkvjax.load(src)` reads or prepares, found without loading or
+    converting anything."""
+    from rkvjax.convert import default_model
+
+    if src is None or str(src) == DEFAULT_MODEL:
+        paths = [default_model.default_cache_dir()]
+        with contextlib.suppress(ImportError, OSError):  # the load reports a missing package
+            paths.append(default_model.default_gguf_path())
+        return paths
+    path = Path(src).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return [path, default_model.gguf_cache_dir(path)]
+    return [path]
+
+
+def convert(src, out: Path, *, dtype=None, mesh=None, overwrite: bool = False) -> Path:
+    """`rkvjax convert`: loads `src` (anything `rkvjax.load` takes) and saves it to `out`.
+
+    `out` is checked (`check_output`) before the model is loaded, so a refused output costs no
+    load and the source is never touched.
+    """
+    from rkvjax.convert.checkpoint import check_output, is_converted, read_marker, save
+
+    out = check_output(out, _source_paths(src), overwrite=overwrite)
+    model = load(src, dtype=dtype, mesh=mesh)
+    if is_converted(model.path):
+        source = read_marker(model.path).get("source", str(model.path))
+    else:
+        source = str(src if src is not None else DEFAULT_MODEL)
+    print(f"converting {source} -> {out}", file=sys.stderr, flush=True)
+    return save(model.decoder, model.path, out, source=source, overwrite=overwrite)

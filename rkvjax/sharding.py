@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from rkvjax.config import ModelConfig
+from rkvjax.models.config import ModelConfig
 
 MESH_AXES = ("data", "model")
 

@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
-# The command line keeps compiled programs on disk (`cli._enable_compile_cache`); in tests that
+# The command line keeps compiled programs on disk (`home.enable_compile_cache`); in tests that
 # would write outside the test folders and switch the cache on for every later test.
 os.environ.setdefault("RKVJAX_COMPILE_CACHE", "0")
 
@@ -170,12 +170,13 @@ def stats_of(tiny_checkpoint, tmp_path_factory):
     def make(kind: str) -> str:
         if kind not in made:
             from rkvjax import calibration
+            from rkvjax.policies import triattention_stats
             from tests.test_policy import _load, _prompt
 
             model = _load(tiny_checkpoint(kind)[0])
             prompts = [_prompt(n, seed=900 + n) for n in CALIBRATION_LENGTHS]
             path = tmp_path_factory.mktemp("calibration") / f"{kind}.npz"
-            calibration.save(calibration.calibrate(model, prompts, source="test"), path)
+            triattention_stats.save(calibration.calibrate(model, prompts, source="test"), path)
             made[kind] = str(path)
         return made[kind]
 

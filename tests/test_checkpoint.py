@@ -11,7 +11,7 @@ import pytest
 from rkvjax.convert import checkpoint
 
 import rkvjax
-from rkvjax import cli
+from rkvjax import cli, loading
 from tests.test_sharding import GEN, PROMPTS, sub_mesh
 
 
@@ -24,7 +24,7 @@ def source(tiny_checkpoint):
 def converted(source, tmp_path_factory):
     """Written from a data=4, model=2 mesh: every parameter saved as shards."""
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    return checkpoint.convert(source, out, dtype="float32", mesh=sub_mesh(4, 2))
+    return loading.convert(source, out, dtype="float32", mesh=sub_mesh(4, 2))
 
 
 def _params(model):
@@ -82,7 +82,7 @@ def test_whole_chunks_are_mapped_not_copied(source, tmp_path):
     """Loaded on one CPU device, every parameter is one stored chunk, and its device buffer must
     be that chunk file's pages (the load's speed and host memory rest on it). A cast cannot be:
     it is read, and must be anonymous memory."""
-    out = checkpoint.convert(source, tmp_path / "one", dtype="float32")
+    out = loading.convert(source, tmp_path / "one", dtype="float32")
     weights = (out / checkpoint.WEIGHTS).resolve()
     for k, v in checkpoint._flat_params(rkvjax.load(out).decoder).items():
         f = _mapped_file(np.asarray(v))
@@ -208,7 +208,7 @@ def test_convert_keeps_tokenizer_and_chat_templates(source, tmp_path):
     from rkvjax.tokenizer import Tokenizer
 
     src = _with_tokenizer(source, tmp_path / "src")
-    out = checkpoint.convert(src, tmp_path / "out", dtype="float32")
+    out = loading.convert(src, tmp_path / "out", dtype="float32")
     names = (
         "tokenizer.json",
         "tokenizer_config.json",
@@ -248,7 +248,7 @@ def test_default_model_chat_survives_conversion(smol, smol_dir, tmp_path):
     AutoTokenizer.from_pretrained(smol_dir).save_pretrained(src)
     assert (src / "chat_template.jinja").is_file()
     assert "chat_template" not in json.loads((src / "tokenizer_config.json").read_text())
-    out = checkpoint.convert(src, tmp_path / "converted", dtype="float32")
+    out = loading.convert(src, tmp_path / "converted", dtype="float32")
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     ids = Tokenizer.from_dir(src).chat_ids(chat)
     assert (
@@ -299,14 +299,14 @@ def test_overwrite_never_deletes_the_source(source, tmp_path, no_load, capsys):
     ]
     for out, match in cases:
         with pytest.raises(checkpoint.CheckpointError, match=match):
-            checkpoint.convert(src, out, overwrite=True)
+            loading.convert(src, out, overwrite=True)
         assert cli.main(["convert", str(src), str(out), "--overwrite"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and match in lines[0], lines
     link = tmp_path / "link"
     link.symlink_to(src)
     with pytest.raises(checkpoint.CheckpointError, match="is the source"):
-        checkpoint.convert(src, link, overwrite=True)
+        loading.convert(src, link, overwrite=True)
     assert _tree(parent) == before
 
 
@@ -318,7 +318,7 @@ def test_overwrite_replaces_only_converted_or_empty_folders(source, tmp_path, no
     file.write_text("keep me too")
     for out in (mine, file):
         with pytest.raises(FileExistsError, match="not a folder written by `rkvjax convert`"):
-            checkpoint.convert(source, out, overwrite=True)
+            loading.convert(source, out, overwrite=True)
         assert cli.main(["convert", str(source), str(out), "--overwrite"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and checkpoint.MARKER in lines[0], lines
@@ -347,11 +347,11 @@ def test_overwrite_protects_gguf_and_default_model_sources(tmp_path, monkeypatch
     home = tmp_path / "rkvjax_home"
     monkeypatch.setenv("RKVJAX_HOME", str(home))
     with pytest.raises(checkpoint.CheckpointError, match="contains the source"):
-        checkpoint.convert(gguf, gguf.parent, overwrite=True)
+        loading.convert(gguf, gguf.parent, overwrite=True)
     with pytest.raises(checkpoint.CheckpointError, match="contains the source"):
-        checkpoint.convert(gguf, home, overwrite=True)  # holds its converted cache
+        loading.convert(gguf, home, overwrite=True)  # holds its converted cache
     with pytest.raises(checkpoint.CheckpointError, match="contains the source"):
-        checkpoint.convert(None, home / "models", overwrite=True)
+        loading.convert(None, home / "models", overwrite=True)
     assert not home.exists()  # nothing was converted
     assert gguf.is_file()
 
@@ -359,5 +359,5 @@ def test_overwrite_protects_gguf_and_default_model_sources(tmp_path, monkeypatch
 def test_overwrite_replaces_an_empty_folder(source, tmp_path):
     out = tmp_path / "empty"
     out.mkdir()
-    assert checkpoint.convert(source, out, dtype="float32", overwrite=True) == out
+    assert loading.convert(source, out, dtype="float32", overwrite=True) == out
     assert checkpoint.is_converted(out)

@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import api, layers, loading, policy, programs, quantization
 from rkvjax import cache as kv
+from rkvjax import layers, loading, policy, programs, quantization
 from rkvjax.config import CompressionConfig, compression_config
 from rkvjax.quantization import dequantize, quantize
+from rkvjax.runtime import sizing
 from rkvjax.sampling import SamplingParams
 from tests import reference, shared_data
 from tests.hf_tiny import VOCAB
@@ -744,26 +745,27 @@ def test_compiled_decode_memory_r1_llama_8b_shape():
 
 
 def test_default_slots_follow_the_cache_bytes(smol, monkeypatch):
-    """api._slot_bytes sizes a slot by its kv_dtype: exactly the bytes the engine's cache holds
-    per row (less the row's four int32 counters), so an 8-bit cache gets about twice the rows;
-    default_slots then gives twice bfloat16's where the memory holds twice the int8 rows."""
+    """sizing.slot_bytes sizes a slot by its kv_dtype: exactly the bytes the engine's cache
+    holds per row (less the row's four int32 counters), so an 8-bit cache gets about twice the
+    rows; default_slots then gives twice bfloat16's where the memory holds twice the int8 rows."""
     model = _abstract(smol.config)
     for method, budget in (("full", None), ("rkv", 128)):
         per = {}
         for d in ("bfloat16", *EIGHT_BIT):
             cc = compression_config(method, budget, kv_dtype=d)
             capacity = cc.capacity if cc.compressing else 1024
-            window = cc.window if cc.compressing else 0
-            per[d] = api._slot_bytes(model, capacity, window, False, False, kv_dtype=d)
+            per[d] = sizing.slot_bytes(model, cc, capacity, penalties=False)
             assert per[d] == _cache_bytes(model, cc, slots=1) - 16, (method, d)
         assert per["int8"] == per["float8_e4m3fn"] <= 0.55 * per["bfloat16"]
-    capacity, window = 136, 8
-    per8 = api._slot_bytes(model, capacity, window, False, False, kv_dtype="int8")
-    memory = 256 * per8 / api.MEMORY_SHARE  # 256 int8 rows, under 256 bfloat16 ones
-    monkeypatch.setattr(api, "device_memory", lambda m: int(memory) + 1)
+    ccs = {
+        d: compression_config("rkv", 128, buffer=8, kv_dtype=d) for d in ("bfloat16", *EIGHT_BIT)
+    }
+    per8 = sizing.slot_bytes(model, ccs["int8"], 136, penalties=False)
+    memory = 256 * per8 / sizing.MEMORY_SHARE  # 256 int8 rows, under 256 bfloat16 ones
+    monkeypatch.setattr(sizing, "device_memory", lambda m: int(memory) + 1)
     rows = {
-        d: api.default_slots(model, 10_000, capacity, window, False, False, kv_dtype=d)
-        for d in ("bfloat16", "int8", "float8_e4m3fn")
+        d: sizing.default_slots(model, cc, samples=10_000, capacity=136, penalties=False)
+        for d, cc in ccs.items()
     }
     assert rows == {"bfloat16": 128, "int8": 256, "float8_e4m3fn": 256}
 

@@ -1038,6 +1038,23 @@ def test_too_many_logprobs_names_the_server_flag(tiny_checkpoint):
         engine.prepare([5, 6, 7], SamplingParams(logprobs=21), request_id="r")
 
 
+def test_an_int8_server_sizes_its_rows_from_the_8_bit_bytes(tiny_checkpoint, monkeypatch):
+    """A server's default rows count the cache's kv_dtype: where the memory holds 16 int8
+    rows at the server's peak, a bfloat16 cache (the model's dtype) gets 8, an int8 one 16."""
+    import rkvjax
+    from rkvjax import api, serve
+    from rkvjax.runtime import sizing
+    from rkvjax.serve import server
+
+    model = rkvjax.load(tiny_checkpoint("llama")[0], dtype="bfloat16")
+    caches = {d: {"method": "rkv", "budget": 16, "kv_dtype": d} for d in (None, "int8")}
+    cc8 = api.cache_config(model, prompt_len=64, max_new=0, **caches["int8"])
+    share = 16 * sizing.slot_bytes(model, cc8, cc8.capacity, penalties=True) * server.PEAK_ROWS
+    monkeypatch.setattr(sizing, "device_memory", lambda m: int(share / sizing.MEMORY_SHARE) + 1)
+    slots = {d: serve.serving_engine(model, cache=c)[0].slots for d, c in caches.items()}
+    assert slots == {None: 8, "int8": 16}
+
+
 def test_a_warm_up_stays_within_the_peak_its_slots_were_sized_for(tiny_checkpoint, monkeypatch):
     """A server's default slots keep PEAK_ROWS x its state within the memory share, and its
     warm-up (every width, narrowing, widening, a prefill and an insert) never holds more: the
@@ -1048,14 +1065,15 @@ def test_a_warm_up_stays_within_the_peak_its_slots_were_sized_for(tiny_checkpoin
 
     import rkvjax
     from rkvjax import api, programs, serve
+    from rkvjax.runtime import sizing
     from rkvjax.serve import server
 
     model = rkvjax.load(tiny_checkpoint("llama")[0])
     cache = {"method": "rkv", "budget": 16, "kv_dtype": "int8"}
     cc = api.cache_config(model, prompt_len=64, max_new=0, **cache)
-    per_slot = api._slot_bytes(model, cc.capacity, cc.window, True, False, "int8")
+    per_slot = sizing.slot_bytes(model, cc, cc.capacity, penalties=True)
     share = 2 * per_slot * server.PEAK_ROWS  # room for the peak of 2 slots, not of 4
-    monkeypatch.setattr(api, "device_memory", lambda m: int(share / api.MEMORY_SHARE) + 1)
+    monkeypatch.setattr(sizing, "device_memory", lambda m: int(share / sizing.MEMORY_SHARE) + 1)
     engine, _ = serve.serving_engine(model, cache=cache)
     assert engine.slots == 2
     state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.state_shapes()))

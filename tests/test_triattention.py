@@ -21,6 +21,7 @@ import rkvjax
 from rkvjax import calibration, cli, evaluation, layers, policies
 from rkvjax import compression as C
 from rkvjax.config import compression_config
+from rkvjax.policies import triattention_stats
 from tests.conftest import CALIBRATION_LENGTHS
 from tests.reference import triattention_numpy as ref
 from tests.test_policy import _full_qk, _load, _prompt, _waiting_rows_run
@@ -44,7 +45,7 @@ def _ref_keep(stats, layer, k, held, *, t, prompt, budget) -> np.ndarray:
     """The reference's keep set of one (layer, row) -> [K, budget] positions.
 
     Args:
-      stats: the model's `calibration.Stats`.
+      stats: the model's `triattention_stats.Stats`.
       k: [T, K, H] the row's post-RoPE keys, indexed by position.
       held: [K][n] the positions each KV head holds, in slot order (the last W: the window).
       t, prompt: the row's next position and prompt length.
@@ -82,7 +83,7 @@ def _in_order(held, *, budget) -> np.ndarray:
 def test_calibration_statistics_are_the_pre_rope_query_means(llama, stats_of):
     """Every token of every prompt weighs the same; the queries are the model's post-RoPE ones
     rotated back by their positions (float64 here), paired as q[f] + i q[f + H/2]."""
-    stats = calibration.load(stats_of("llama"))
+    stats = triattention_stats.load(stats_of("llama"))
     prompts = [_prompt(n, seed=900 + n) for n in CALIBRATION_LENGTHS]
     qs, _ = _full_qk(llama, prompts, max(CALIBRATION_LENGTHS))
     cfg = llama.config
@@ -109,7 +110,7 @@ def test_calibration_statistics_are_the_pre_rope_query_means(llama, stats_of):
 # 2. One compression step against the reference.
 
 
-def _made_up_stats(path, *, layers_, n_q, k_heads, h, seed) -> calibration.Stats:
+def _made_up_stats(path, *, layers_, n_q, k_heads, h, seed) -> triattention_stats.Stats:
     """Statistics of no model (random, some frequencies nearly aligned), saved to `path`."""
     rng = np.random.default_rng(seed)
     f = h // 2
@@ -117,8 +118,8 @@ def _made_up_stats(path, *, layers_, n_q, k_heads, h, seed) -> calibration.Stats
     mean = rng.normal(size=shape) + 1j * rng.normal(size=shape)
     mean *= rng.uniform(0.1, 2.0, size=shape)
     meta = dict(
-        format=calibration.FORMAT,
-        version=calibration.VERSION,
+        format=triattention_stats.FORMAT,
+        version=triattention_stats.VERSION,
         arch="none",
         num_layers=layers_,
         q_heads=n_q,
@@ -128,9 +129,11 @@ def _made_up_stats(path, *, layers_, n_q, k_heads, h, seed) -> calibration.Stats
         prompts=1,
     )
     omega = (1.0 / 10000.0 ** (np.arange(0, h, 2) / h)).astype(np.float32)
-    stats = calibration.Stats(mean, np.abs(mean) + rng.uniform(0, 1, size=shape), omega, meta)
-    calibration.save(stats, path)
-    return calibration.load(path)
+    stats = triattention_stats.Stats(
+        mean, np.abs(mean) + rng.uniform(0, 1, size=shape), omega, meta
+    )
+    triattention_stats.save(stats, path)
+    return triattention_stats.load(path)
 
 
 def _random_rows(rng, b, k_heads, n, h):
@@ -230,7 +233,7 @@ def test_prefill_and_first_decode_compressions_match_reference(
     tokens (its prompt kept, the generated tokens by score), at every layer."""
     model = _load(tiny_checkpoint(kind)[0])
     path = stats_of(kind)
-    stats = calibration.load(path)
+    stats = triattention_stats.load(path)
     prompts = [_prompt(9, seed=30 + budget), _prompt(40, seed=31 + budget)]
     outs = rkvjax.generate(
         model,
@@ -281,7 +284,7 @@ def test_decode_compressions_match_reference_with_waiting_rows(llama, stats_of):
     step with one lane, so three wait: every layer-0 compression replayed, and each row's tokens
     and keep sets as alone."""
     path = stats_of("llama")
-    stats = calibration.load(path)
+    stats = triattention_stats.load(path)
     budget = 24
     lengths = (8, 9, 14, 30, 10, 10, 10, 10)
     prompts = [_prompt(n, seed=500 + i) for i, n in enumerate(lengths)]
@@ -335,9 +338,9 @@ def test_errors_are_one_clear_line(tmp_path, llama, stats_of):
         policies.build("triattention", calibration=str(garbage))
     with pytest.raises(ValueError, match="max_offset must be a power of two"):
         policies.build("triattention", calibration=stats_of("llama"), max_offset=3)
-    other = calibration.load(stats_of("llama"))
+    other = triattention_stats.load(stats_of("llama"))
     with pytest.raises(FileExistsError, match="exists; pass --overwrite"):
-        calibration.save(other, stats_of("llama"))
+        triattention_stats.save(other, stats_of("llama"))
     # Statistics of another model: caught before anything compiles, naming the file.
     others = [
         ("qwen2_gqa3", "of 6 query heads over 2 KV heads of dimension 16, the model has 2 of 4"),
@@ -389,8 +392,8 @@ def test_statistics_of_another_model_or_impossible_ones_are_refused(tmp_path, ll
     weights or more layers than the model are refused by the engine before it compiles, and
     values no calibration gives (frequencies outside (0, 1], negative or too small mean
     moduli) when the file is read; each in one line naming the file."""
-    mine = calibration.load(stats_of("llama"))
-    assert mine.meta["weight_norms"] == pytest.approx(calibration.weight_norms(llama))
+    mine = triattention_stats.load(stats_of("llama"))
+    assert mine.meta["weight_norms"] == pytest.approx(triattention_stats.weight_norms(llama))
     assert mine.meta["model"]  # the folder it was calibrated on
     _engine_with(llama, stats_of("llama"))  # its own statistics pass
 
@@ -400,7 +403,7 @@ def test_statistics_of_another_model_or_impossible_ones_are_refused(tmp_path, ll
         )
         fields.update(change)
         path = tmp_path / f"{name}.npz"
-        calibration.save(calibration.Stats(**fields), path)
+        triattention_stats.save(triattention_stats.Stats(**fields), path)
         return path
 
     other_rope = dataclasses.replace(llama.config, rope_theta=2 * llama.config.rope_theta)
@@ -440,13 +443,13 @@ def test_calibrate_and_generate_on_the_command_line(tmp_path, llama, stats_of, c
     model = ["--model", str(llama.path)]
     assert cli.main(["calibrate", str(data), str(out), *model, "--limit", "2"]) == 0
     assert f"wrote {out}" in capsys.readouterr().err
-    got = calibration.load(out)
+    got = triattention_stats.load(out)
     assert got.meta["prompts"] == 2 and got.meta["tokens"] == sum(CALIBRATION_LENGTHS[:2])
     assert cli.main(["calibrate", str(data), str(out), *model]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
     assert cli.main(["calibrate", str(data), str(out), *model, "--overwrite"]) == 0
-    want = calibration.load(stats_of("llama"))
-    got = calibration.load(out)
+    want = triattention_stats.load(stats_of("llama"))
+    got = triattention_stats.load(out)
     np.testing.assert_allclose(got.q_mean, want.q_mean, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(got.q_abs_mean, want.q_abs_mean, rtol=1e-6)
     capsys.readouterr()

@@ -118,6 +118,7 @@ def settings(args) -> list[dict]:
 def _calibration(model, folder: Path, weights: str) -> str:
     """TriAttention's statistics of these weights (by digest: a retrained model gets its own)."""
     from rkvjax import calibration
+    from rkvjax.policies import triattention_stats
 
     path = folder / f"calibration-{weights}.npz"
     if not path.is_file():
@@ -127,7 +128,7 @@ def _calibration(model, folder: Path, weights: str) -> str:
             model, ids, source=f"bench reasoner: {len(ids)} training-distribution problems"
         )
         folder.mkdir(parents=True, exist_ok=True)
-        calibration.save(stats, path, overwrite=True)
+        triattention_stats.save(stats, path, overwrite=True)
     return str(path)
 
 

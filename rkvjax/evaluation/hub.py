@@ -18,7 +18,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from rkvjax.convert.default_model import rkvjax_home
+from rkvjax.home import rkvjax_home
 
 PREFIX = "hf://datasets/"
 DATA_SUFFIXES = (".jsonl", ".parquet")  # data files rkvjax reads, in order of preference

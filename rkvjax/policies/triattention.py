@@ -4,36 +4,20 @@ coming positions, from calibrated query statistics and each key's RoPE phase."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rkvjax import calibration as calib
 from rkvjax import scores
+from rkvjax.policies import triattention_stats
 from rkvjax.policies.base import Policy, register
 
 # The score of a prompt token: above any key's score, also summed over every layer
 # (share="layers"), and finite, so that prompt tokens tie with one another and the keep rule
 # takes the lower positions first.
 PROMPT_SCORE = 1e30
-
-
-def _stats(path: str) -> calib.Stats:
-    """The statistics of a file, read once per version of it (a file rewritten with
-    `--overwrite` is read again)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return calib.load(path)  # its one-line error
-    return _stats_of(os.path.abspath(path), st.st_mtime_ns, st.st_size)
-
-
-@functools.cache
-def _stats_of(path: str, mtime_ns: int, size: int) -> calib.Stats:
-    return calib.load(path)
 
 
 def offsets(max_offset: int) -> np.ndarray:
@@ -97,10 +81,12 @@ class TriAttention(Policy):
             raise ValueError(f"max_offset must be a power of two >= 1, got {m!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be True or False, got {self.normalize!r}")
-        _stats(self.calibration)
+        triattention_stats.read(self.calibration)
 
     def check_model(self, model) -> None:
-        calib.check_model(_stats(self.calibration), model, self._where)
+        triattention_stats.check_model(
+            triattention_stats.read(self.calibration), model, self._where
+        )
 
     @property
     def _where(self) -> str:
@@ -111,7 +97,7 @@ class TriAttention(Policy):
         _, k_heads, n, _ = keys.shape
         m = n - w
         g = n_q // k_heads
-        stats = _stats(self.calibration)
+        stats = triattention_stats.read(self.calibration)
         total = k_heads if context.kv_heads is None else context.kv_heads
         trig, extra, omega = self._constants(stats, context.layer, total, g, h)
         if k_heads < total:  # on a mesh: this device's block of the heads
@@ -137,7 +123,9 @@ class TriAttention(Policy):
             s = _z_scores(s, (valid[..., :m] & ~in_prompt)[:, :, None])
         return jnp.where(in_prompt, PROMPT_SCORE, jnp.max(s, axis=2))  # [B, K, m]
 
-    def _constants(self, stats: calib.Stats, layer: int, kv_heads: int, group: int, h: int):
+    def _constants(
+        self, stats: triattention_stats.Stats, layer: int, kv_heads: int, group: int, h: int
+    ):
         """NumPy constants of one layer: the mean queries times the offsets' mean phase
         [2, N, F] (real, imaginary), E|q| - |E q| [N, F], and the frequencies [F]; checked
         against the model's shapes (`kv_heads` of `group` query heads each)."""

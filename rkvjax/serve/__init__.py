@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from rkvjax.serve.server import bind, memory_line, serve, serving_engine, warm_up
 
 # The command line reads these without loading the HTTP stack.
-DEFAULT_SERVE_SLOTS = 32  # at most, when memory allows (`api.default_slots`)
+DEFAULT_SERVE_SLOTS = 32  # at most, when memory allows (`runtime.sizing.default_slots`)
 DEFAULT_MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 SHUTDOWN_TIMEOUT_S = 30  # SIGTERM: seconds running requests get to finish

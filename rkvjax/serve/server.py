@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rkvjax import api, runtime
+from rkvjax.runtime import sizing
 from rkvjax.sampling_params import SamplingParams
 from rkvjax.serve import DEFAULT_MAX_LOGPROBS, DEFAULT_SERVE_SLOTS, SHUTDOWN_TIMEOUT_S
 from rkvjax.serve.app import ServeConfig, build_app
@@ -44,7 +45,8 @@ def serving_engine(
       cache: `generate`'s cache keywords (method, budget, buffer, ...); a fractional budget is
         a fraction of the context.
       slots: rows decoded together (default: DEFAULT_SERVE_SLOTS, or fewer: as many as keep
-        the server's peak, PEAK_ROWS x the state, within the memory share of `api.default_slots`).
+        the server's peak, PEAK_ROWS x the state, within the memory share of
+        `sizing.default_slots`).
       max_model_len: the context (default: the model's positions).
       max_logprobs: the most `logprobs` / `top_logprobs` a request may ask for (0: none).
     """
@@ -62,15 +64,12 @@ def serving_engine(
     cc = api.cache_config(model, prompt_len=length, max_new=0, **cache)
     capacity = cc.capacity if cc.compressing else length - 1
     if slots is None:
-        window = cc.window if cc.compressing else 0
-        slots = api.default_slots(
+        slots = sizing.default_slots(
             model,
-            DEFAULT_SERVE_SLOTS,
-            capacity,
-            window,
-            True,
-            cc.state is not None,
-            cc.kv_dtype,
+            cc,
+            samples=DEFAULT_SERVE_SLOTS,
+            capacity=capacity,
+            penalties=True,
             peak_rows=PEAK_ROWS,
         )
     engine = runtime.Engine(
@@ -102,9 +101,9 @@ def memory_line(engine: runtime.Engine) -> str:
         f"{engine.slots} slots: {_gib(state)} of state, at most {_gib(PEAK_ROWS * state)} at its "
         "peak"
     )
-    memory = api.device_memory(engine.model)
+    memory = sizing.device_memory(engine.model)
     if memory is not None:
-        line += f" (default slots keep the peak within {_gib(api.MEMORY_SHARE * memory)})"
+        line += f" (default slots keep the peak within {_gib(sizing.MEMORY_SHARE * memory)})"
     return line
 
 

@@ -21,27 +21,25 @@ import threading
 from typing import Any
 
 from rkvjax.requests import Request
-from rkvjax.results import GenerationResult, StreamDelta
+from rkvjax.results import GenerationResult, RunStats, StreamDelta
 
 log = logging.getLogger("rkvjax.serve")
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """The engine's numbers after a round, for `/metrics` and `/health`."""
+    """The engine's numbers after a round, for `/metrics` and `/health`: the queue and rows
+    now, and the engine's counters (`Engine.stats`; None before the first round)."""
 
     waiting: int = 0  # requests queued, not yet in a row
     running: int = 0  # requests with a sample in a row
     busy_slots: int = 0
     slots: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0  # by finished samples
-    decoded_tokens: int = 0  # by every row, running samples' included
-    compressions: int = 0  # while decoding
-    prompt_compressions: int = 0  # of prompts longer than the budget, at prefill
-    stalled_row_steps: int = 0
-    decode_steps: int = 0
-    aborted: int = 0
+    stats: RunStats | None = None
+
+    def count(self, name: str) -> int:
+        """A counter of `RunStats` (0 before the first round)."""
+        return 0 if self.stats is None else getattr(self.stats, name)
 
 
 class ShutDown(Exception):
@@ -236,21 +234,13 @@ class EngineWorker:
 
     def _update_snapshot(self) -> None:
         e = self.engine
-        st = e.stats
         running = {s.request.id for s in e.scheduler.owner if s is not None}
         snapshot = Snapshot(
             waiting=len(e.scheduler.queue),
             running=len(running),
             busy_slots=e.busy_slots,
             slots=e.slots,
-            prompt_tokens=st.prompt_tokens,
-            generated_tokens=st.generated_tokens,
-            compressions=st.compressions,
-            prompt_compressions=st.prompt_compressions,
-            stalled_row_steps=st.stalled_row_steps,
-            decode_steps=st.decode_steps,
-            aborted=st.aborted,
-            decoded_tokens=st.decoded_tokens,
+            stats=e.stats,
         )
         with self._lock:  # the requests taken from the inbox are in this snapshot's count now
             self.snapshot = snapshot
