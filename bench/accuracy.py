@@ -18,7 +18,8 @@ from pathlib import Path
 
 import rkvjax
 from bench import common
-from rkvjax import defaults, evaluation
+from rkvjax import defaults
+from rkvjax.entrypoints import evaluation
 
 PREFER_MEMORY = True
 TINY = {

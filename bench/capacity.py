@@ -8,7 +8,7 @@ peak (weights, the slots' state, XLA's temporaries, as `Compiled.memory_analysis
 them) fitted as an affine function of the batch; from the fit's prediction under each cap,
 batches are compiled until the largest that fits is found and the next one up is shown not to.
 R-KV's peak grows a little faster than the fit at hundreds of rows (the runtime's compression
-lanes, `policy.lane_count`, grow with the batch: 7 at 437 rows), so its prediction is 2-4%
+lanes, `compress.lane_count`, grow with the batch: 7 at 437 rows), so its prediction is 2-4%
 high. Those compiles are most of the time (a decode of hundreds of rows takes minutes to
 compile on CPU); --no-check reports the prediction instead. The paper (Table 3, 16K): FullKV
 30, R-KV 402 on 80 GB.
@@ -27,10 +27,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from rkvjax.models import loading
 
 import rkvjax
 from bench import common
-from rkvjax import defaults, loading, policy
+from rkvjax import defaults
+from rkvjax.kv import compress
 
 PREFER_MEMORY = True
 REAL_CONFIGS = common.DATA.parent / "real_configs"
@@ -142,7 +144,7 @@ def _largest_under(cap: int, guess: int, peak_of, per_row: float) -> int:
     many rows as the excess (or the room left) is worth at the fit's bytes per row, within the
     bracket of batches known to fit and not to, until the batch above the answer is compiled
     and does not fit. Usually the guess, one step down and the batch above it: the true peak
-    grows a little faster than the fit (R-KV's compression lanes, `policy.lane_count`, add up
+    grows a little faster than the fit (R-KV's compression lanes, `compress.lane_count`, add up
     with the batch), so a step down lands at or just below the answer."""
     lo, hi = 0, None  # lo fits (0 trivially); hi does not (None: none seen yet)
     b = max(1, guess)
@@ -193,7 +195,7 @@ def _rows(model, args, cc, label: str, gen: int, fitted: dict, weights: int):
             "state_bytes_per_row": fit.state_row,
             "peak_bytes_per_row": fit.per_row,
             "peak_bytes_fixed": fit.fixed,
-            "lanes_at_max_batch": policy.lane_count(batch, cc) if cc.compressing else None,
+            "lanes_at_max_batch": compress.lane_count(batch, cc) if cc.compressing else None,
             "max_batch_predicted": guess,
             "max_batch": batch,
             # Whether that batch was compiled and fits (else the fit's prediction).

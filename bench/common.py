@@ -27,7 +27,8 @@ import numpy as np
 
 import rkvjax
 from bench import checkpoints
-from rkvjax import config, policies, programs, quantization, requests
+from rkvjax.kv import config, policies, quantization
+from rkvjax.runtime import programs, requests
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -185,7 +186,7 @@ def cache_bytes(cache, *, positions: bool = True, queries: bool = False) -> int:
 
 
 def add_kv_dtype_argument(p: argparse.ArgumentParser, several: bool = False) -> None:
-    """--kv-dtype: the cache's storage type (`rkvjax.quantization.KV_DTYPES`; default the
+    """--kv-dtype: the cache's storage type (`rkvjax.kv.quantization.KV_DTYPES`; default the
     model's dtype); with `several`, one or more, each a setting of its own."""
     kw = dict(nargs="+", default=[None]) if several else dict(default=None)
     what = "cache storage types, side by side" if several else "cache storage type"
@@ -354,8 +355,8 @@ def method_options(method: str, args, model, name: str, folder: Path) -> dict:
         return {}
     if args.calibration is not None:
         return {"calibration": str(args.calibration)}
-    from rkvjax import calibration
-    from rkvjax.policies import triattention_stats
+    from rkvjax.entrypoints import calibration
+    from rkvjax.kv.policies import triattention_stats
 
     data = Path(getattr(args, "data", DATA))
     path = Path(folder) / f"calibration-{name}-{np.dtype(model.dtype).name}-{data.stem}.npz"

@@ -23,7 +23,8 @@ import numpy as np
 
 import rkvjax
 from bench import common
-from rkvjax import checks, defaults, quantization
+from rkvjax import checks, defaults
+from rkvjax.kv import quantization
 
 # The prompt the R-KV paper uses for MATH-500 (DeepSeek-R1 style).
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

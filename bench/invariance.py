@@ -1,10 +1,10 @@
 """What batch invariance costs: decode tokens/s with `batch_invariant` off and on, side by side.
 
 Batch-invariant decoding computes every weight product on a fixed number of columns
-(`rkvjax.layers.fixed_columns`): a batch narrower than that pads, a wider one reads the weights
-once per tile. For each batch size and cache type, the same prompts are prefilled into an engine
-of each mode and their decode loop (R-KV, greedy, --gen-tokens new tokens per row) is timed in
-alternating rounds after a warm-up; the ratio is the median of the per-round ratios (on / off,
+(`rkvjax.models.layers.fixed_columns`): a batch narrower than that pads, a wider one reads the
+weights once per tile. For each batch size and cache type, the same prompts are prefilled into an
+engine of each mode and their decode loop (R-KV, greedy, --gen-tokens new tokens per row) is timed
+in alternating rounds after a warm-up; the ratio is the median of the per-round ratios (on / off,
 below 1 is slower). Prefill is not timed: it runs each prompt alone in the mode, a cost paid once
 per request.
 """
@@ -15,7 +15,8 @@ import argparse
 
 import rkvjax
 from bench import common
-from rkvjax import defaults, requests
+from rkvjax import defaults
+from rkvjax.runtime import requests
 
 PREFER_MEMORY = True
 TINY = {"gen_tokens": 24, "batches": [1, 4], "kv_dtypes": ["int8"], "repeats": 1, "budget": 16}

@@ -1,7 +1,7 @@
 """An offline job on the slot runtime against the batch-by-batch job it replaced.
 
 One JSONL file of MATH-500 prompts with per-line `max_tokens` drawn from 32..1024 (64 requests),
-run twice through `rkvjax.jobs.run_job` with the same output handling:
+run twice through `rkvjax.entrypoints.jobs.run_job` with the same output handling:
 
   continuous     `EngineRunner`, what `rkvjax batch --slots 16` runs: one engine over the whole
                  file, a freed slot takes the next request at once, largest max_tokens first.
@@ -30,7 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from bench import common
-from rkvjax import api, defaults, jobs, programs, requests
+from rkvjax import api, defaults
+from rkvjax.entrypoints import jobs
+from rkvjax.runtime import programs, requests
 
 MODES = ("continuous", "continuous_input_order", "batch_by_batch")
 TINY = dict(requests=8, slots=2, max_tokens=[8, 40], budget=32, buffer=16)

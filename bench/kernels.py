@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from rkvjax import defaults, scores
-from rkvjax.kernels import redundancy_pallas, tuning
+from rkvjax import defaults
+from rkvjax.kv import scores
+from rkvjax.kv.kernels import redundancy_pallas, tuning
 
 TINY = dict(
     sizes=[64, 128],

@@ -119,7 +119,7 @@ def _child(path: Path, dtype: str) -> dict:
 
 
 def run(args, folder) -> list[dict]:
-    from rkvjax import loading
+    from rkvjax.models import loading
 
     model, name = common.load_model(args, args.dtype)  # prepares a .gguf / the default
     hf_folder = model.path

@@ -22,9 +22,11 @@ import jax.numpy as jnp
 
 import rkvjax
 from bench import common
-from rkvjax import defaults, policy, programs, requests
-from rkvjax.config import compression_config
-from rkvjax.sampling import SamplingParams
+from rkvjax import defaults
+from rkvjax.kv import compress
+from rkvjax.kv.config import compression_config
+from rkvjax.runtime import programs, requests
+from rkvjax.sampling.params import SamplingParams
 
 METHODS = ("full", "rkv", "snapkv", "streaming")
 # Compilation is most of a tiny run (every batch of part (b) compiles a prefill and a decode):
@@ -126,7 +128,7 @@ def _compression_ms(eng: rkvjax.Engine, state, repeats: int = 5) -> float | None
     cc = eng.compression
     if not cc.compressing:
         return None
-    fn = jax.jit(lambda c, f: policy.compress_lanes(c, f, cc, lanes=1, start=jnp.int32(0)))
+    fn = jax.jit(lambda c, f: compress.compress_lanes(c, f, cc, lanes=1, start=jnp.int32(0)))
     full = jnp.ones(state.cache.length.shape, bool)
     return (
         common.median_seconds(lambda: jax.block_until_ready(fn(state.cache, full)), repeats) * 1e3

@@ -18,8 +18,8 @@ import numpy as np
 
 from bench import common
 from rkvjax import defaults
-from rkvjax.config import compression_config
-from rkvjax.sampling import SamplingParams
+from rkvjax.kv.config import compression_config
+from rkvjax.sampling.params import SamplingParams
 
 BASELINE = "streaming"  # no scores to compute: the cost of a compression's gather alone
 # Two rows: one equal-length prefill, and two ragged ones (16 and 121 tokens).

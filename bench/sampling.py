@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from rkvjax import sampling as S
-from rkvjax.config import compression_config
+from rkvjax.kv.config import compression_config
+from rkvjax.sampling import sampler as S
 
 PARTS = ("engine", "sampler")
 ENGINE_BATCH = 8

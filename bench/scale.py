@@ -41,10 +41,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from rkvjax.models import loading
 
 import rkvjax
 from bench import common, throughput
-from rkvjax import defaults, loading, programs
+from rkvjax import defaults
+from rkvjax.runtime import programs
 
 PREFER_MEMORY = True
 REAL_CONFIGS = common.DATA.parent / "real_configs"

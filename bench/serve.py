@@ -5,7 +5,7 @@ One workload, a fixed list of chat prompts (MATH-500 problems, or a fixed list w
 file is absent), greedy with `ignore_eos`, each request's `max_tokens` drawn once from a range,
 driven two ways at each level of C concurrent clients:
 
-  engine  `rkvjax.serve.serving_engine` (the engine `rkvjax serve` builds, with its warm-up)
+  engine  `rkvjax.entrypoints.serve.serving_engine` (what `rkvjax serve` builds, with its warm-up)
           driven in this process: C requests in flight, the next submitted as soon as one
           finishes (`Engine.step`, streamed deltas, as the server's engine thread drives it).
   server  a real `rkvjax serve` process on 127.0.0.1 with the same flags, driven by C clients
@@ -63,7 +63,9 @@ import numpy as np
 
 import rkvjax
 from bench import common
-from rkvjax import config, home, serve
+from rkvjax import home
+from rkvjax.entrypoints import serve
+from rkvjax.kv import config
 
 MODES = ("engine", "server")
 TINY = dict(
@@ -400,7 +402,7 @@ class Server:
 
 def server_command(args, model, port: int) -> list[str]:
     """`rkvjax serve` with the engine configuration `serving_engine` gets here."""
-    cmd = [sys.executable, "-m", "rkvjax.cli", "serve", "--model", str(model.path)]
+    cmd = [sys.executable, "-m", "rkvjax.entrypoints.cli", "serve", "--model", str(model.path)]
     cmd += ["--dtype", np.dtype(model.dtype).name, "--slots", str(args.slots)]
     cmd += ["--method", args.method]
     if args.method != "full":

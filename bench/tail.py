@@ -32,7 +32,7 @@ import numpy as np
 
 import rkvjax
 from bench import common
-from rkvjax import programs
+from rkvjax.runtime import programs
 
 MODES = ("narrow", "wide")
 TINY = dict(slots=4, short_tokens=[8, 16], long_tokens=200, budget=32, buffer=16, repeats=1)

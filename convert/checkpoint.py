@@ -46,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from rkvjax.convert.errors import CheckpointError
+from rkvjax.models import sharding
 from rkvjax.models.config import ModelConfig
 from rkvjax.models.decoder import Decoder, abstract_decoder
 
-from rkvjax import sharding
-from rkvjax.tokenizer import CHAT_TEMPLATE_DIR, TOKENIZER_FILES
+from rkvjax.text.tokenizer import CHAT_TEMPLATE_DIR, TOKENIZER_FILES
 
 FORMAT = "rkvjax-orbax"
 FORMAT_VERSION = 4  # 2: weights [out, in]; 3: a zarr3 folder per array, no OCDBT; 4: fused wqkv

@@ -24,10 +24,9 @@ import numpy as np
 from flax import nnx
 from rkvjax.convert.errors import CheckpointError
 from rkvjax.convert.hf_config import read_json_object
+from rkvjax.models import sharding
 from rkvjax.models.config import ModelConfig
 from rkvjax.models.decoder import Decoder, abstract_decoder
-
-from rkvjax import sharding
 
 _DTYPES = {
     "F64": np.float64,

@@ -22,9 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from rkvjax.models import layers
 from rkvjax.models.config import ModelConfig
-
-from rkvjax import layers
 
 # attend(layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], state) -> (out [B,T,N,H], state)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]

@@ -11,39 +11,51 @@ from typing import TYPE_CHECKING
 from rkvjax.lazy import attribute_loader
 
 if TYPE_CHECKING:
-    from rkvjax import compression, evaluation, jobs, policies
+    from rkvjax import compression, policies
     from rkvjax.api import generate, logits, score
-    from rkvjax.config import CompressionConfig, compression_config
-    from rkvjax.loading import Model, load
+    from rkvjax.entrypoints import evaluation, jobs, serve
+    from rkvjax.kv.config import CompressionConfig, compression_config
+    from rkvjax.models import loading, sharding
     from rkvjax.models.config import ModelConfig
-    from rkvjax.results import (
+    from rkvjax.models.loading import Model, load
+    from rkvjax.runtime import Engine
+    from rkvjax.runtime.results import (
         GenerationResult,
         GenerationStats,
         RunStats,
         ScoreResult,
         StreamDelta,
     )
-    from rkvjax.runtime import Engine
-    from rkvjax.sampling_params import SamplingParams
+    from rkvjax.sampling.params import SamplingParams
 
 _HOMES = {
-    "CompressionConfig": "rkvjax.config",
+    "CompressionConfig": "rkvjax.kv.config",
     "Engine": "rkvjax.runtime",
-    "GenerationResult": "rkvjax.results",
-    "GenerationStats": "rkvjax.results",
-    "Model": "rkvjax.loading",
+    "GenerationResult": "rkvjax.runtime.results",
+    "GenerationStats": "rkvjax.runtime.results",
+    "Model": "rkvjax.models.loading",
     "ModelConfig": "rkvjax.models.config",
-    "RunStats": "rkvjax.results",
-    "SamplingParams": "rkvjax.sampling_params",
-    "ScoreResult": "rkvjax.results",
-    "StreamDelta": "rkvjax.results",
-    "compression_config": "rkvjax.config",
+    "RunStats": "rkvjax.runtime.results",
+    "SamplingParams": "rkvjax.sampling.params",
+    "ScoreResult": "rkvjax.runtime.results",
+    "StreamDelta": "rkvjax.runtime.results",
+    "compression_config": "rkvjax.kv.config",
     "generate": "rkvjax.api",
-    "load": "rkvjax.loading",
+    "load": "rkvjax.models.loading",
     "logits": "rkvjax.api",
     "score": "rkvjax.api",
 }
-_SUBMODULES = ("compression", "evaluation", "jobs", "policies")
+# Modules reached as attributes of the package (`rkvjax.jobs.run_job`): the public aliases
+# `compression` and `policies`, and where the layers put the others.
+_SUBMODULES = {
+    "compression": "rkvjax.compression",
+    "evaluation": "rkvjax.entrypoints.evaluation",
+    "jobs": "rkvjax.entrypoints.jobs",
+    "loading": "rkvjax.models.loading",
+    "policies": "rkvjax.policies",
+    "serve": "rkvjax.entrypoints.serve",
+    "sharding": "rkvjax.models.sharding",
+}
 
 __all__ = [
     "CompressionConfig",
@@ -62,9 +74,12 @@ __all__ = [
     "generate",
     "jobs",
     "load",
+    "loading",
     "logits",
     "policies",
     "score",
+    "serve",
+    "sharding",
 ]
 
 

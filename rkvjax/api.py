@@ -8,13 +8,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from rkvjax import programs, requests, runtime
-from rkvjax.config import CompressionConfig, compression_config
+from rkvjax import runtime
 from rkvjax.defaults import BUFFER, WINDOW
-from rkvjax.loading import DEFAULT_MODEL, Model, as_dtype, load
-from rkvjax.results import GenerationResult, GenerationStats, ScoreResult
-from rkvjax.runtime import sizing
-from rkvjax.sampling_params import SamplingParams
+from rkvjax.kv.config import CompressionConfig, compression_config
+from rkvjax.models.loading import DEFAULT_MODEL, Model, as_dtype, load
+from rkvjax.runtime import programs, requests, sizing
+from rkvjax.runtime.results import GenerationResult, GenerationStats, ScoreResult
+from rkvjax.sampling.params import SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -220,10 +220,10 @@ def generate(
         included): an int, or a float in (0, 1] as a fraction of the longest prompt + the
         longest max_tokens. None = FullKV.
       method: "full" or a registered cache policy ("rkv", "snapkv", "streaming", "keydiff",
-        ...: `rkvjax.policies.names()`); with budget=None every method is FullKV.
+        ...: `rkvjax.kv.policies.names()`); with budget=None every method is FullKV.
       buffer: decoded tokens between compressions (the cache holds budget + buffer slots).
       window: the newest tokens, always kept, whose queries score the others.
-      **options: the method's hyperparameters (`rkvjax.policies.option_names(method)`), e.g.
+      **options: the method's hyperparameters (`rkvjax.kv.policies.option_names(method)`), e.g.
         R-KV's kernel, lam, threshold, retain (RKV_SPEC.md); unset ones take the method's
         defaults.
       think_only: stop compressing a row once it emits `think_end_token` (a string that is one
@@ -231,7 +231,7 @@ def generate(
         `answer_slots` (default 512) more slots for the answer, and a row is compressed again
         only if its answer fills those too.
       pallas: run compression's redundancy and top-k as Pallas kernels (True), as jnp (False),
-        or auto (None; see `rkvjax.scores.use_pallas`). `kernels` is its former name.
+        or auto (None; see `rkvjax.kv.scores.use_pallas`). `kernels` is its former name.
       kv_dtype: what the cache stores, for every method (FullKV included): "float32",
         "bfloat16", "int8" or "float8_e4m3fn" (None: the model's dtype). The 8-bit types keep
         a float32 scale per (token, head) beside the codes: about half of bfloat16's bytes,

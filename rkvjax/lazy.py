@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
 def attribute_loader(
-    package: str, homes: Mapping[str, str], submodules: Iterable[str] = ()
+    package: str, homes: Mapping[str, str], submodules: Mapping[str, str] | None = None
 ) -> Callable[[str], Any]:
     """The module `__getattr__` of `package`: a name in `homes` is imported from the module it
-    maps to, a name in `submodules` is the subpackage; either is then kept in the package."""
+    maps to, a name in `submodules` is the module it maps to; either is then kept in the
+    package."""
     namespace = sys.modules[package].__dict__
-    subs = frozenset(submodules)
+    subs = dict(submodules or {})
 
     def __getattr__(name: str) -> Any:
         if name in subs:
-            value = importlib.import_module(f"{package}.{name}")
+            value = importlib.import_module(subs[name])
         elif name in homes:
             value = getattr(importlib.import_module(homes[name]), name)
         else:

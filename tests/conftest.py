@@ -169,8 +169,8 @@ def stats_of(tiny_checkpoint, tmp_path_factory):
 
     def make(kind: str) -> str:
         if kind not in made:
-            from rkvjax import calibration
-            from rkvjax.policies import triattention_stats
+            from rkvjax.entrypoints import calibration
+            from rkvjax.kv.policies import triattention_stats
             from tests.test_policy import _load, _prompt
 
             model = _load(tiny_checkpoint(kind)[0])

@@ -14,8 +14,7 @@ def main(coordinator: str, num: str, pid: str, folder: str, out: str) -> None:
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
-
-    from rkvjax import sharding
+    from rkvjax.models import sharding
 
     sharding.initialize_distributed(coordinator, int(num), int(pid))
     import rkvjax

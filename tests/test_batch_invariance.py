@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rkvjax.models import layers
 
 import rkvjax
-from rkvjax import layers, policies, quantization
-from rkvjax.config import compression_config
+from rkvjax.kv import policies, quantization
+from rkvjax.kv.config import compression_config
 from tests.test_policy import _load, _prompt
 
 BUDGET, BUFFER, WINDOW = 10, 6, 4
@@ -158,12 +159,13 @@ def test_score_rows_equal_each_row_alone_with_an_8bit_cache(llama):
 def test_the_command_line_flag_reaches_the_engine_and_the_job_header():
     """--batch-invariant / --no-batch-invariant are the engine's keyword (job headers record
     it when given, so earlier jobs' headers still match); the cache policy never sees it."""
-    from rkvjax import cli
+    from rkvjax.entrypoints import cli
+    from rkvjax.entrypoints.cli import flags
 
-    parse = cli._parser().parse_args
+    parse = cli.parser().parse_args
     for flag, want in (("--batch-invariant", True), ("--no-batch-invariant", False)):
-        cache = cli._cache(parse(["batch", "in.jsonl", "out.jsonl", "--budget", "16", flag]))
+        cache = flags.cache(parse(["batch", "in.jsonl", "out.jsonl", "--budget", "16", flag]))
         assert cache["batch_invariant"] is want
-        assert "batch_invariant" not in cli._policy(cache)
-        compression_config(**cli._policy(cache))
-    assert "batch_invariant" not in cli._cache(parse(["generate", "x", "--budget", "16"]))
+        assert "batch_invariant" not in flags.policy(cache)
+        compression_config(**flags.policy(cache))
+    assert "batch_invariant" not in flags.cache(parse(["generate", "x", "--budget", "16"]))

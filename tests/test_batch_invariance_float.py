@@ -3,7 +3,7 @@ half of `test_batch_invariance`'s matrix, in a file of its own so that a second 
 
 import pytest
 
-from rkvjax import policies
+from rkvjax.kv import policies
 from tests.test_batch_invariance import check_method
 from tests.test_policy import _load
 

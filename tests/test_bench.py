@@ -203,9 +203,10 @@ def test_random_init_and_a_filled_cache():
     invariant, and R-KV compresses every row on the next decode chunk."""
     import jax
     import numpy as np
+    from rkvjax.models import loading
 
     from bench import scale
-    from rkvjax import loading, programs
+    from rkvjax.runtime import programs
 
     config = common.tiny_checkpoint() / "config.json"
     model = loading.random_init(config, dtype="float32")

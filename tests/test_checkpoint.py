@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from rkvjax.convert import checkpoint
+from rkvjax.models import loading
 
 import rkvjax
-from rkvjax import cli, loading
+from rkvjax.entrypoints import cli
 from tests.test_sharding import GEN, PROMPTS, sub_mesh
 
 
@@ -205,7 +206,7 @@ def _with_tokenizer(source, folder):
 
 
 def test_convert_keeps_tokenizer_and_chat_templates(source, tmp_path):
-    from rkvjax.tokenizer import Tokenizer
+    from rkvjax.text.tokenizer import Tokenizer
 
     src = _with_tokenizer(source, tmp_path / "src")
     out = loading.convert(src, tmp_path / "out", dtype="float32")
@@ -239,7 +240,7 @@ def test_default_model_chat_survives_conversion(smol, smol_dir, tmp_path):
     converted folder renders the chat and answers exactly as before."""
     from transformers import AutoTokenizer
 
-    from rkvjax.tokenizer import Tokenizer
+    from rkvjax.text.tokenizer import Tokenizer
 
     src = tmp_path / "smol"
     src.mkdir()

@@ -1,4 +1,4 @@
-"""rkvjax.compression against the independent NumPy loop reference in tests/reference."""
+"""rkvjax.kv.selection against the independent NumPy loop reference in tests/reference."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rkvjax import compression as C
+from rkvjax.kv import selection as C
 from tests.reference import rkv_numpy as ref
 
 SCORE_TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 scores against the float64 loops

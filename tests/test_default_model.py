@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rkvjax
-from rkvjax import cli
+from rkvjax.entrypoints import cli
 
 pytestmark = pytest.mark.slow
 

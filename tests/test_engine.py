@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import cache as kv
-from rkvjax import programs
-from rkvjax.config import CompressionConfig
-from rkvjax.sampling import SamplingParams, SlotSampling
+from rkvjax.kv import cache as kv
+from rkvjax.kv.config import CompressionConfig
+from rkvjax.runtime import programs
+from rkvjax.sampling.params import SamplingParams
+from rkvjax.sampling.sampler import SlotSampling
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
 
@@ -193,7 +194,7 @@ def test_sampling_is_seeded_and_filters_apply(model):
 
 
 def test_top_k_restricts_support():
-    from rkvjax.sampling import sample_rows, token_keys
+    from rkvjax.sampling.sampler import sample_rows, token_keys
 
     logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.3, 0.4]] * 2000))
     n = logits.shape[0]

@@ -12,7 +12,8 @@ from rkvjax.convert.hf_safetensors import CheckpointError
 from safetensors.numpy import load_file, save_file
 
 import rkvjax
-from rkvjax import cli
+from rkvjax import api
+from rkvjax.entrypoints import cli
 
 
 @pytest.fixture()
@@ -243,7 +244,7 @@ def test_cli_refuses_bad_prompts_before_loading(tmp_path, capsys, prompt, messag
 
 def test_cli_budget_reads_a_point_as_a_fraction():
     """One rule with `generate`'s: 1.0 is the whole length (a float), 1 is one token."""
-    parse = cli._parser().parse_args
+    parse = cli.parser().parse_args
     assert parse(["generate", "x", "--budget", "1.0"]).budget == 1.0
     assert isinstance(parse(["generate", "x", "--budget", "0.1"]).budget, float)
     assert parse(["generate", "x", "--budget", "256"]).budget == 256
@@ -258,7 +259,7 @@ def test_cli_eval_help_gives_its_own_defaults(capsys):
         cli.main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "0 = greedy (default: 0.6)" in text and "--top-p TOP_P (default: 0.95)" in text
-    assert cli._parser().parse_args(["eval", "d", "o"]).temperature == 0.6
+    assert cli.parser().parse_args(["eval", "d", "o"]).temperature == 0.6
 
 
 def test_bad_logits_and_load_arguments(model, folder):
@@ -416,7 +417,7 @@ def test_a_budget_beyond_the_context_is_refused_before_the_weights_load(
     """A cache larger than the model's positions could never fill (and allocated until XLA ran
     out of memory): refused from config.json, naming the context, in every command."""
     folder = str(tiny_checkpoint("llama")[0])
-    monkeypatch.setattr(cli.api, "load", lambda *a, **k: pytest.fail("the weights loaded"))
+    monkeypatch.setattr(api, "load", lambda *a, **k: pytest.fail("the weights loaded"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])

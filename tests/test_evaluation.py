@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rkvjax import cli, evaluation, jobs
-from rkvjax.evaluation import grading, hub, metrics
+from rkvjax.entrypoints import cli, evaluation, jobs
+from rkvjax.entrypoints.evaluation import grading, hub, metrics
 
 # (reference, completion, correct): the pairs a MATH grader must get right.
 GRADES = [

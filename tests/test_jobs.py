@@ -17,8 +17,8 @@ import pytest
 from jax.experimental import multihost_utils
 
 import rkvjax
-from rkvjax import cli, jobs
-from rkvjax.jobs import openai_batch, output
+from rkvjax.entrypoints import cli, jobs
+from rkvjax.entrypoints.jobs import openai_batch, output
 from tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +290,7 @@ def test_engine_job_answers_openai_batch_lines(tiny, tmp_path):
 
 
 # `rkvjax batch IN OUT` on the tiny model, as a user runs it; the test kills it.
-_ENGINE_JOB = [sys.executable, "-m", "rkvjax.cli", "batch"]
+_ENGINE_JOB = [sys.executable, "-m", "rkvjax.entrypoints.cli", "batch"]
 
 
 def _key(r):
@@ -423,7 +423,8 @@ def test_rerun_writes_only_the_missing_samples_of_a_request(tmp_path):
 # two samples until a signal ends it (a loaded machine must not let it finish first).
 _SLOW_JOB = """
 import os, signal, sys, time
-from rkvjax import cli, jobs
+from rkvjax.entrypoints import jobs
+from rkvjax.entrypoints.cli import batch as batch_command, main
 
 # A shell starts background commands with SIGINT ignored, and a child inherits that: Ctrl-C
 # is what this job must see, whoever ran the tests.
@@ -440,8 +441,8 @@ def batch(args):
     jobs.run_job(Slow(), args.input, args.output, progress=False)
     return 0
 
-cli._batch = batch
-sys.exit(cli.main(["batch", *sys.argv[1:]]))
+batch_command.run = batch
+sys.exit(main(["batch", *sys.argv[1:]]))
 """
 
 
@@ -1051,7 +1052,7 @@ def test_finished_job_ends_with_one_end_line(tmp_path):
 
 
 def test_openai_response_ids_are_stable():
-    r = jobs.Request(1, "c", "x", rkvjax.SamplingParams(temperature=0.0), openai="chat")
+    r = jobs.JobRequest(1, "c", "x", rkvjax.SamplingParams(temperature=0.0), openai="chat")
     rec = {**_record(r, 0), "completion_tokens": 2}
     a = openai_batch.response_line(r, [rec], model_name="m", token_text=str, created=0)
     b = openai_batch.response_line(r, [rec], model_name="m", token_text=str, created=0)

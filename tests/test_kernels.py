@@ -1,4 +1,4 @@
-"""Pallas kernels (interpret mode on CPU) against their jnp references, rkvjax.compression and
+"""Pallas kernels (interpret mode on CPU) against their jnp references, rkvjax.kv.selection and
 the NumPy loop reference; the same tests compile the kernels for real on a GPU."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rkvjax import compression as C
-from rkvjax.kernels.redundancy import redundancy as redundancy_pallas
-from rkvjax.kernels.redundancy import redundancy_reference
-from rkvjax.kernels.topk import topk_positions, topk_reference
+from rkvjax.kv import selection as C
+from rkvjax.kv.kernels.redundancy import redundancy as redundancy_pallas
+from rkvjax.kv.kernels.redundancy import redundancy_reference
+from rkvjax.kv.kernels.topk import topk_positions, topk_reference
 from tests.reference import rkv_numpy as ref
 
 SCORE_TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 scores, as in test_compression
@@ -136,7 +136,7 @@ def test_redundancy_dispatch_jnp():
 
 
 def test_auto_picks_the_kernel_only_for_large_dense_matrices(monkeypatch):
-    from rkvjax.kernels import tuning
+    from rkvjax.kv.kernels import tuning
 
     assert tuning.dense_limit_bytes() > 0
     assert not C.use_pallas(None, dense_bytes=1 << 60) or tuning.backend() != "cpu"

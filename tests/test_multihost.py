@@ -11,9 +11,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rkvjax.models import sharding
 
 import rkvjax
-from rkvjax import sharding
 from tests.limits import HANG_S
 from tests.test_sharding import GEN, PROMPTS
 from tests.tolerances import SELF_ATOL

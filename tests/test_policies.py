@@ -21,12 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rkvjax.models import sharding
 
 import rkvjax
-from rkvjax import cache as kv
-from rkvjax import cli, policies, policy, programs, sharding
-from rkvjax import compression as C
-from rkvjax.config import CompressionConfig, compression_config
+from rkvjax.entrypoints import cli
+from rkvjax.kv import cache as kv
+from rkvjax.kv import compress, policies
+from rkvjax.kv import selection as C
+from rkvjax.kv.config import CompressionConfig, compression_config
+from rkvjax.runtime import programs
 from tests import reference
 from tests.reference import keydiff_numpy
 from tests.test_compression import SCORE_TOL, _inputs, _random_valid
@@ -208,7 +211,7 @@ def test_register_refuses_what_cannot_be_a_static_policy():
     class Clash(policies.Policy):
         name = "rkv"
 
-    taken = r"'rkv' is already registered by rkvjax\.policies\.rkv\.RKV"
+    taken = r"'rkv' is already registered by rkvjax\.kv\.policies\.rkv\.RKV"
     with pytest.raises(ValueError, match=taken):
         policies.register(Clash)
     with pytest.raises(TypeError, match="Policy subclass"):
@@ -394,11 +397,13 @@ def test_compression_adds_no_collectives_on_a_mesh(method, options_of):
     with jax.set_mesh(mesh):
         sharded = jax.jit(lambda c: kv.constrain(c, rules))(cache)
         local = jax.jit(
-            lambda c, r: policy.compress_lanes(c, r, cc, lanes=1, start=start, rules=rules)
+            lambda c, r: compress.compress_lanes(c, r, cc, lanes=1, start=start, rules=rules)
         )
         local = local.lower(sharded, rows).compile()
         got = local(sharded, rows)
-    want = jax.jit(lambda c, r: policy.compress_lanes(c, r, cc, lanes=4, start=start))(cache, rows)
+    want = jax.jit(lambda c, r: compress.compress_lanes(c, r, cc, lanes=4, start=start))(
+        cache, rows
+    )
     ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", local.as_text())
     assert not ops, ops
     # The same kept slots; a state computed by the method (G-KV's) to float32 rounding, as the

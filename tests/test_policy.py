@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rkvjax.models.layers import as_storage
 
 import rkvjax
-from rkvjax import cache as kv
-from rkvjax import compression as C
-from rkvjax import policy, programs
-from rkvjax.config import CompressionConfig, compression_config
-from rkvjax.layers import as_storage
+from rkvjax.kv import cache as kv
+from rkvjax.kv import compress
+from rkvjax.kv import selection as C
+from rkvjax.kv.config import CompressionConfig, compression_config
+from rkvjax.runtime import programs
 from tests import reference
 from tests.hf_tiny import VOCAB
 
@@ -653,7 +654,7 @@ def test_bfloat16_compaction_moves_entries_exactly():
     cc = CompressionConfig(method="rkv", budget=BUDGET, buffer=BUFFER, window=W)
     full = jnp.array([True, False])
     out, fired, _, _, _ = jax.jit(
-        lambda x: policy.compress_lanes(x, full, cc, lanes=2, start=jnp.int32(0))
+        lambda x: compress.compress_lanes(x, full, cc, lanes=2, start=jnp.int32(0))
     )(cache)
     assert fired.tolist() == [True, False]
     assert out.k[0].dtype == jnp.uint16 and out.keys(0).dtype == jnp.bfloat16

@@ -1,7 +1,7 @@
 """The quantized KV cache (`kv_dtype`): int8 and float8_e4m3fn codes with a float32 scale per
 (token, head).
 
-Checked here: the round trip's error bounds (`rkvjax.quantization`); a token's codes and scale
+Checked here: the round trip's error bounds (`rkvjax.kv.quantization`); a token's codes and scale
 never change once written, whatever compressions move it; compressions keep exactly what the
 NumPy reference (tests/reference) keeps from the dequantized keys and window queries;
 attention with the scales folded in equals attention on dequantized keys and values;
@@ -19,14 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rkvjax.models import layers, loading
 
 import rkvjax
-from rkvjax import cache as kv
-from rkvjax import layers, loading, policy, programs, quantization
-from rkvjax.config import CompressionConfig, compression_config
-from rkvjax.quantization import dequantize, quantize
-from rkvjax.runtime import sizing
-from rkvjax.sampling import SamplingParams
+from rkvjax.kv import cache as kv
+from rkvjax.kv import compress, quantization
+from rkvjax.kv.config import CompressionConfig, compression_config
+from rkvjax.kv.quantization import dequantize, quantize
+from rkvjax.runtime import programs, sizing
+from rkvjax.sampling.params import SamplingParams
 from tests import reference, shared_data
 from tests.hf_tiny import VOCAB
 from tests.test_policy import (
@@ -237,7 +238,7 @@ def compressed():
             cache = _full_cache(dtype)
             cc = CompressionConfig(method=method, budget=BUDGET, buffer=BUFFER, window=W)
             out, fired, _, _, _ = jax.jit(
-                lambda x: policy.compress_lanes(x, FULL, cc, lanes=2, start=jnp.int32(0))
+                lambda x: compress.compress_lanes(x, FULL, cc, lanes=2, start=jnp.int32(0))
             )(cache)
             assert fired.tolist() == FULL.tolist()
             made[dtype, method] = cache, out
@@ -325,7 +326,7 @@ def test_prefill_compression_keeps_written_codes_and_the_reference_set(dtype):
 
     def place(cc, capacity):
         return jax.jit(
-            lambda ks, vs, qs: policy.prefill_cache(ks, vs, qs, positions, cc, capacity)
+            lambda ks, vs, qs: compress.prefill_cache(ks, vs, qs, positions, cc, capacity)
         )(ks, vs, qs)
 
     full, squeezed = place(CompressionConfig(kv_dtype=dtype), p)

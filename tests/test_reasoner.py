@@ -85,7 +85,7 @@ def test_the_tokenizer_encodes_every_text_and_the_engine_reads_it(tmp_path):
     assert tok.encode("rounds 12\nround 3\n").tokens == ["rounds ", "1", "2\n", "round ", "3\n"]
     assert tok.encode("a=d+b=0+2=2\n").tokens == ["a=", "d+", "b=", "0+", "2=", "2\n"]
     tokens.save(tmp_path)
-    from rkvjax.tokenizer import Tokenizer
+    from rkvjax.text.tokenizer import Tokenizer
 
     ours = Tokenizer.from_dir(tmp_path)
     text = task.problems(2, 1)[0].prompt()

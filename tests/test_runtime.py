@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import programs
-from rkvjax.config import compression_config
-from rkvjax.detokenize import StopWatcher, find_stop
-from rkvjax.sampling import SamplingParams
+from rkvjax.kv.config import compression_config
+from rkvjax.runtime import programs
+from rkvjax.sampling.params import SamplingParams
+from rkvjax.text.detokenize import StopWatcher, find_stop
 from tests.reference import sampling_numpy as sref
 from tests.test_policy import _full_qk, _load, _prompt, _ref_keep, _simulate_layer0
 
@@ -643,8 +643,8 @@ def test_programs_follow_the_engines_devices_not_the_process(llama, monkeypatch)
     built and carried in its plan, not read from the process while tracing: with the process
     claiming a TPU with no memory (where auto puts compression on its Pallas kernels), a CPU
     engine's programs still trace the CPU's jnp path and give its tokens."""
-    from rkvjax import kernels
-    from rkvjax.kernels import tuning
+    from rkvjax.kv import kernels
+    from rkvjax.kv.kernels import tuning
 
     cc = compression_config("rkv", BUDGET, buffer=BUFFER)
     prompts = [_prompt(n, seed=500 + i) for i, n in enumerate((40, 13))]

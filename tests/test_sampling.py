@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rkvjax import sampling as S
+from rkvjax.sampling import sampler as S
 from tests.reference import sampling_numpy as ref
 
 # float32 masses of up to V terms against float64 ones: rows whose nearest decision lies closer

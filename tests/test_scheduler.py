@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from rkvjax.requests import Request
+from rkvjax.runtime.requests import Request
 from rkvjax.runtime.samples import Sample
 from rkvjax.runtime.scheduler import NARROW_MIN_CHUNKS, Scheduler, SchedulerConfig
-from rkvjax.sampling_params import SamplingParams
+from rkvjax.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 _NO_JAX = "RKVJAX_TEST_NO_JAX"

@@ -1,5 +1,5 @@
-"""`rkvjax.serve`'s HTTP side without a model: the app and its engine thread in front of a fake
-engine, on a real loopback socket.
+"""`rkvjax.entrypoints.serve`'s HTTP side without a model: the app and its engine thread in front
+of a fake engine, on a real loopback socket.
 
 `FakeEngine` implements what `serve.app` and `serve.worker` call on an `Engine`, and makes
 tokens by a rule of its own (one token per step and running sample), so every answer can be
@@ -26,10 +26,10 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from rkvjax import requests
-from rkvjax.results import GenerationResult, GenerationStats, RunStats, StreamDelta
-from rkvjax.sampling_params import SamplingParams
-from rkvjax.serve import ServeConfig, build_app
+from rkvjax.entrypoints.serve import ServeConfig, build_app
+from rkvjax.runtime import requests
+from rkvjax.runtime.results import GenerationResult, GenerationStats, RunStats, StreamDelta
+from rkvjax.sampling.params import SamplingParams
 from tests.limits import HANG_S
 
 NAME = "fake-served"
@@ -996,7 +996,7 @@ def test_shutdown_during_prepare():
     ],
 )
 def test_bad_serve_flags_fail_in_one_line_before_the_model_loads(argv, names, capsys, monkeypatch):
-    from rkvjax import cli
+    from rkvjax.entrypoints import cli
 
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
     assert cli.main(["serve", *argv]) == 2
@@ -1006,7 +1006,7 @@ def test_bad_serve_flags_fail_in_one_line_before_the_model_loads(argv, names, ca
 
 def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
     """`RKVJAX_API_KEY=` (set but empty) would start an open server its user thinks locked."""
-    from rkvjax import cli
+    from rkvjax.entrypoints import cli
 
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
     monkeypatch.setenv("RKVJAX_API_KEY", "")
@@ -1016,7 +1016,7 @@ def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
 
 
 def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
-    from rkvjax import cli
+    from rkvjax.entrypoints import cli
 
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -1030,7 +1030,7 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
 def test_too_many_logprobs_names_the_server_flag(tiny_checkpoint):
     """A client cannot raise `Engine(logprobs=...)`: the refusal names --max-logprobs."""
     import rkvjax
-    from rkvjax import serve
+    from rkvjax.entrypoints import serve
 
     model = rkvjax.load(tiny_checkpoint("llama")[0])
     engine, _ = serve.serving_engine(model, cache={"method": "rkv", "budget": 16}, slots=1)
@@ -1042,9 +1042,10 @@ def test_an_int8_server_sizes_its_rows_from_the_8_bit_bytes(tiny_checkpoint, mon
     """A server's default rows count the cache's kv_dtype: where the memory holds 16 int8
     rows at the server's peak, a bfloat16 cache (the model's dtype) gets 8, an int8 one 16."""
     import rkvjax
-    from rkvjax import api, serve
+    from rkvjax import api
+    from rkvjax.entrypoints import serve
+    from rkvjax.entrypoints.serve import server
     from rkvjax.runtime import sizing
-    from rkvjax.serve import server
 
     model = rkvjax.load(tiny_checkpoint("llama")[0], dtype="bfloat16")
     caches = {d: {"method": "rkv", "budget": 16, "kv_dtype": d} for d in (None, "int8")}
@@ -1064,9 +1065,10 @@ def test_a_warm_up_stays_within_the_peak_its_slots_were_sized_for(tiny_checkpoin
     import jax
 
     import rkvjax
-    from rkvjax import api, programs, serve
-    from rkvjax.runtime import sizing
-    from rkvjax.serve import server
+    from rkvjax import api
+    from rkvjax.entrypoints import serve
+    from rkvjax.entrypoints.serve import server
+    from rkvjax.runtime import programs, sizing
 
     model = rkvjax.load(tiny_checkpoint("llama")[0])
     cache = {"method": "rkv", "budget": 16, "kv_dtype": "int8"}

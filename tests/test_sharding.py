@@ -7,12 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rkvjax.models import sharding
+from rkvjax.models.layers import as_storage
 
 import rkvjax
-from rkvjax import cache as kv
-from rkvjax import cli, policy, programs, runtime, sharding
-from rkvjax.config import CompressionConfig
-from rkvjax.layers import as_storage
+from rkvjax import runtime
+from rkvjax.entrypoints import cli
+from rkvjax.entrypoints.cli import flags
+from rkvjax.kv import cache as kv
+from rkvjax.kv import compress
+from rkvjax.kv.config import CompressionConfig
+from rkvjax.runtime import programs
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
 
@@ -175,11 +180,11 @@ def test_compression_compiles_without_collectives():
         sharded = jax.jit(lambda c: kv.constrain(c, rules))(cache)
         assert sharded.k[0].sharding.is_equivalent_to(rules.named(mesh, *kv.KV_AXES), 4)
         local = jax.jit(
-            lambda c, r: policy.compress_lanes(c, r, cc, lanes=1, start=start, rules=rules)
+            lambda c, r: compress.compress_lanes(c, r, cc, lanes=1, start=start, rules=rules)
         )
         local = local.lower(sharded, rows).compile()
         # Without shard_map: the same rows, 4 lanes over the whole batch.
-        auto = jax.jit(lambda c, r: policy.compress_lanes(c, r, cc, lanes=4, start=start))
+        auto = jax.jit(lambda c, r: compress.compress_lanes(c, r, cc, lanes=4, start=start))
         auto = auto.lower(sharded, rows).compile()
         got, want = local(sharded, rows), auto(sharded, rows)
     assert not [op for op in COLLECTIVES if op in local.as_text()]
@@ -278,19 +283,19 @@ def test_divisibility_errors(single, folder):
 
 
 def test_cli_mesh(folder, capsys):
-    args = cli._parser().parse_args(
+    args = cli.parser().parse_args(
         ["generate", "hi", "--model", str(folder), "--mesh", "data=4,model=2"]
     )
     assert args.mesh == {"data": 4, "model": 2}
-    model = cli._load(args)
+    model = flags.load(args)
     assert dict(model.mesh.shape) == {"data": 4, "model": 2}
-    assert cli._parser().parse_args(["generate", "hi", "--mesh", "model=8"]).mesh == {
+    assert cli.parser().parse_args(["generate", "hi", "--mesh", "model=8"]).mesh == {
         "data": 1,
         "model": 8,
     }
     for bad in ("data=2;model=4", "data=2,gpu=4", "data=x", "data=2,data=2", "data=0"):
         with pytest.raises(SystemExit):
-            cli._parser().parse_args(["generate", "hi", "--mesh", bad])
+            cli.parser().parse_args(["generate", "hi", "--mesh", bad])
         assert "--mesh" in capsys.readouterr().err
 
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import defaults, policy
-from rkvjax.config import CompressionConfig, compression_config
+from rkvjax import defaults
+from rkvjax.kv import compress
+from rkvjax.kv.config import CompressionConfig, compression_config
 from tests.reference import gkv_numpy, h2o_numpy, keydiff_numpy, random_numpy
 from tests.test_policy import _full_qk, _load, _prompt, _waiting_rows_run
 from tests.test_sharding import _random_cache, sub_mesh
@@ -104,7 +105,7 @@ def test_h2o_sums_move_with_their_keys():
         seed=jnp.zeros((4,), jnp.uint32),
     )
     full = jnp.array([True, False, True, True])
-    out = jax.jit(lambda c: policy.compress_lanes(c, full, cc, lanes=4, start=jnp.int32(0))[0])(
+    out = jax.jit(lambda c: compress.compress_lanes(c, full, cc, lanes=4, start=jnp.int32(0))[0])(
         cache
     )
     before_pos, before_acc = np.asarray(cache.slot_pos[0]), np.asarray(acc[0])

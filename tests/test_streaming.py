@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import rkvjax
-from rkvjax import programs
-from rkvjax.config import compression_config
-from rkvjax.detokenize import TextStream, find_stop
-from rkvjax.sampling import SamplingParams
+from rkvjax.kv.config import compression_config
+from rkvjax.runtime import programs
+from rkvjax.sampling.params import SamplingParams
+from rkvjax.text.detokenize import TextStream, find_stop
 from tests.test_policy import _load, _prompt
 
 # -- the default model: streaming ---------------------------------------------------------------
@@ -576,7 +576,7 @@ def test_text_stream_with_a_tokenizer_that_cleans_up_spaces(tmp_path):
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    from rkvjax.tokenizer import Tokenizer
+    from rkvjax.text.tokenizer import Tokenizer
 
     words = ["<unk>", "it", "'", "s", "ok", ".", "don", "t", "n't", ",", "?", "!", "m", "ve"]
     backend = Backend(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

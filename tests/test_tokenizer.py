@@ -8,7 +8,7 @@ import json
 import pytest
 from rkvjax.convert.default_model import default_gguf_path
 
-from rkvjax.tokenizer import Tokenizer
+from rkvjax.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world! How are you today?",
@@ -275,7 +275,7 @@ def test_raise_exception_in_template(tmp_path):
 def test_prompts_a_template_refuses_are_named(tmp_path):
     """A chat the template raises on, or a "tool" message for a template without that role,
     is one ValueError naming the prompt (not a jinja2 traceback)."""
-    from rkvjax import requests
+    from rkvjax.runtime import requests
 
     template = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     template += "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"

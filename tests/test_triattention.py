@@ -16,12 +16,14 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rkvjax.models import layers
 
 import rkvjax
-from rkvjax import calibration, cli, evaluation, layers, policies
-from rkvjax import compression as C
-from rkvjax.config import compression_config
-from rkvjax.policies import triattention_stats
+from rkvjax.entrypoints import calibration, cli, evaluation
+from rkvjax.kv import policies
+from rkvjax.kv import selection as C
+from rkvjax.kv.config import compression_config
+from rkvjax.kv.policies import triattention_stats
 from tests.conftest import CALIBRATION_LENGTHS
 from tests.reference import triattention_numpy as ref
 from tests.test_policy import _full_qk, _load, _prompt, _waiting_rows_run

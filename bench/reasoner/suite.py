@@ -29,7 +29,8 @@ import numpy as np
 import rkvjax
 from bench import common
 from bench.reasoner import task
-from rkvjax import defaults, policies
+from rkvjax import defaults
+from rkvjax.kv import policies
 
 PREFER_MEMORY = True
 MODEL = Path(__file__).resolve().parent / "model"
@@ -117,8 +118,8 @@ def settings(args) -> list[dict]:
 
 def _calibration(model, folder: Path, weights: str) -> str:
     """TriAttention's statistics of these weights (by digest: a retrained model gets its own)."""
-    from rkvjax import calibration
-    from rkvjax.policies import triattention_stats
+    from rkvjax.entrypoints import calibration
+    from rkvjax.kv.policies import triattention_stats
 
     path = folder / f"calibration-{weights}.npz"
     if not path.is_file():

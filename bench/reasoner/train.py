@@ -144,7 +144,7 @@ def laid_out(rows: list[list[tuple[list[int], int]]], t: int) -> dict[str, np.nd
 
 def logits(model, batch) -> jax.Array:
     """The packed rows' logits [B, T, V] (float32): causal attention within each problem."""
-    from rkvjax import layers
+    from rkvjax.models import layers
 
     seg = jnp.asarray(batch["segments"])  # [B, T]
     t = seg.shape[1]

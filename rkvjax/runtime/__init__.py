@@ -3,13 +3,13 @@ plain data (`vllm/v1/engine/core.py`'s loop):
 
 - `scheduler`: the queue and which sample holds which row; admissions, early chunk ends,
   narrowing and widening, decided as plans. No JAX.
-- `executor`: the device state and the compiled programs (`rkvjax.programs`); carries out the
+- `executor`: the device state and the compiled programs (`programs`); carries out the
   plans, each insert with one host-to-device transfer, and starts copying a chunk's outputs
   back as soon as it is dispatched. Its compile time is its own.
 - `outputs`: chunk outcomes into samples' tokens (stop strings on the new text only), streamed
   samples' deltas (incremental detokenization) and results.
 - `engine`: `Engine`, which wires the three: submit, results, run, step, take_deltas, abort,
-  stats, progress. A server is a client of it (`rkvjax.serve`).
+  stats, progress. A server is a client of it (`rkvjax.entrypoints.serve`).
 
 `Engine` and the executor's helpers load on first use, so the scheduler imports without JAX.
 """

@@ -22,18 +22,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from rkvjax import layers, policy, programs, quantization, requests
-from rkvjax.config import CompressionConfig, check_context
-from rkvjax.detokenize import StopWatcher, TextStream
-from rkvjax.kernels import tuning
-from rkvjax.loading import Model
-from rkvjax.results import GenerationResult, RunStats, ScoreResult, StreamDelta
+from rkvjax.kv import compress, quantization
+from rkvjax.kv.config import CompressionConfig, check_context
+from rkvjax.kv.kernels import tuning
+from rkvjax.models import layers
+from rkvjax.models.loading import Model
+from rkvjax.runtime import programs, requests
 from rkvjax.runtime.executor import Executor, Inserted
 from rkvjax.runtime.outputs import Outcome, OutputProcessor, RunInfo
+from rkvjax.runtime.results import GenerationResult, RunStats, ScoreResult, StreamDelta
 from rkvjax.runtime.samples import Sample
 from rkvjax.runtime.scheduler import Insert, Scheduler, SchedulerConfig
-from rkvjax.sampling import SamplerConfig
-from rkvjax.sampling_params import SamplingParams
+from rkvjax.sampling.params import SamplingParams
+from rkvjax.sampling.sampler import SamplerConfig
+from rkvjax.text.detokenize import StopWatcher, TextStream
 
 # Decode steps per device call. A slot freed during a chunk is refilled after the next one (it
 # is dispatched before the host parses this one), so short chunks keep slots busy.
@@ -107,11 +109,11 @@ class Engine:
     Args:
       model: from `rkvjax.load`.
       slots: rows decoded together (on a mesh, rounded up to a multiple of the "data" axis).
-      cache: the KV-cache policy (`rkvjax.config.compression_config`); None is FullKV.
+      cache: the KV-cache policy (`rkvjax.kv.config.compression_config`); None is FullKV.
       max_len: FullKV only: cache slots per row, at least prompt + max_tokens - 1 of every
         request (compressing methods hold `budget + buffer` slots whatever the length).
       chunk: decode steps per device call.
-      lanes: compressions per decode step (per data shard); default `policy.lane_count`.
+      lanes: compressions per decode step (per data shard); default `compress.lane_count`.
       logprobs: the most `SamplingParams.logprobs` any request may ask for (None: none).
       penalties: allow repetition / presence / frequency penalties (keeps [slots, V] counts).
       stop_width: stop token ids per row at most (the model's end-of-sequence ids included).
@@ -191,7 +193,7 @@ class Engine:
             check_context(cc, cfg.max_positions)
             cc.policy.check_model(model)
         if lanes is None:
-            lanes = policy.lane_count(slots, cc, data)
+            lanes = compress.lane_count(slots, cc, data)
         # Decided once from the model's devices, never read from the process while tracing.
         target = tuning.Target.of(model.device)
         if cc.compressing:
@@ -514,7 +516,7 @@ class Engine:
                 self._counters["prefills"] += 1
                 self._counters["prefill_rows"] += len(prompts)
                 self._counters["prompt_tokens"] += sum(map(len, prompts))
-                # Exactly the prompts the prefill compresses (`policy.prefill_cache`).
+                # Exactly the prompts the prefill compresses (`compress.prefill_cache`).
                 if self.compression.compressing:
                     long = sum(len(p) > self.compression.budget for p in prompts)
                     self._counters["prompt_compressions"] += long

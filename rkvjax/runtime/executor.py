@@ -1,13 +1,13 @@
 """The device side of the slot runtime: the state, the compiled programs, every transfer.
 
 The executor owns the `programs.SlotState` of the runtime's rows and runs the jitted programs of
-`rkvjax.programs` on it as the scheduler's plans say. Host data reaches the device only through
-`put`: one explicit `jax.device_put` of a NumPy pytree per insert (its group's prompts included
-when the insert comes with a new prefill), one per decode chunk (the early-stop count) and per
-release or resize, so a whole workload runs under `jax.transfer_guard("disallow")`. A chunk's
-outputs start copying to the host the moment it is dispatched; the host parses them a round
-later, while the next chunk runs. The compilation its calls cause is counted in its own
-`CompileLog`, so two runtimes in one process each report their own compile time.
+`rkvjax.runtime.programs` on it as the scheduler's plans say. Host data reaches the device only
+through `put`: one explicit `jax.device_put` of a NumPy pytree per insert (its group's prompts
+included when the insert comes with a new prefill), one per decode chunk (the early-stop count) and
+per release or resize, so a whole workload runs under `jax.transfer_guard("disallow")`. A chunk's
+outputs start copying to the host the moment it is dispatched; the host parses them a round later,
+while the next chunk runs. The compilation its calls cause is counted in its own `CompileLog`, so
+two runtimes in one process each report their own compile time.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rkvjax import policy, programs, requests, sharding
-from rkvjax.loading import Model
+from rkvjax.kv import compress
+from rkvjax.models import sharding
+from rkvjax.models.loading import Model
+from rkvjax.runtime import programs, requests
 from rkvjax.runtime.samples import Sample
 from rkvjax.runtime.scheduler import Admission, Insert, Prefill, Resize
-from rkvjax.sampling import SlotSampling
+from rkvjax.sampling.sampler import SlotSampling
 
 
 def on_mesh(model: Model):
@@ -375,6 +377,6 @@ class Executor:
     def _compress_step(self, cache, full, start):
         """One step of the compression lanes (for `memory_analysis`)."""
         plan = self.plan
-        return policy.compress_lanes(
+        return compress.compress_lanes(
             cache, full, plan.compression, lanes=plan.lanes, start=start, rules=plan.rules
         )

@@ -16,10 +16,10 @@ import dataclasses
 
 import numpy as np
 
-from rkvjax import programs
-from rkvjax.detokenize import find_stop
-from rkvjax.results import GenerationResult, GenerationStats, ScoreResult, StreamDelta
+from rkvjax.runtime import programs
+from rkvjax.runtime.results import GenerationResult, GenerationStats, ScoreResult, StreamDelta
 from rkvjax.runtime.samples import Sample
+from rkvjax.text.detokenize import find_stop
 
 
 @dataclasses.dataclass(frozen=True)

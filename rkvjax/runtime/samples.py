@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from rkvjax.detokenize import StopWatcher, TextStream
-from rkvjax.requests import Request
+from rkvjax.runtime.requests import Request
+from rkvjax.text.detokenize import StopWatcher, TextStream
 
 
 @dataclasses.dataclass(eq=False)

@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from rkvjax import requests
+from rkvjax.runtime import requests
 from rkvjax.runtime.samples import Pending, Sample
 
 # A run narrows only while its longest row may still run this many chunks: fewer steps than

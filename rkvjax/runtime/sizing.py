@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from rkvjax import quantization
-from rkvjax.config import CompressionConfig
+from rkvjax.kv import quantization
+from rkvjax.kv.config import CompressionConfig
 
 # How much of a device's memory, less the weights, the default slot count may take.
 MEMORY_SHARE = 0.5

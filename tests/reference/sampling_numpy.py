@@ -1,7 +1,7 @@
 """Independent NumPy reference for per-request sampling, written from vLLM's definitions.
 
 Sort-based and in float64, one row at a time: nothing here shares code or method with
-rkvjax/sampling.py (which searches thresholds without sorting). Definitions:
+rkvjax/sampling/sampler.py (which searches thresholds without sorting). Definitions:
 
 - penalties (`vllm/model_executor/layers/utils.py` `apply_penalties`): the repetition penalty on
   tokens in the prompt or the output (logit > 0: divided by it, else multiplied), then

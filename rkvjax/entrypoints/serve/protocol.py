@@ -1,0 +1,251 @@
+"""OpenAI's HTTP shapes: request bodies in, completion objects, stream chunks and errors out.
+
+A body is checked as an OpenAI batch line's body is (`jobs.openai_batch.parse_body`: the same
+fields, names and messages), plus `stream` and `stream_options`. Responses reuse the batch
+format's choices and logprobs, with rkvjax's own numbers per choice in an extra `rkvjax` field
+(`compressions`, `peak_cache_slots`, `stalled_steps`), which OpenAI's clients keep as an extra
+attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rkvjax.entrypoints.jobs import openai_batch
+from rkvjax.entrypoints.jobs.quote import show
+from rkvjax.entrypoints.jobs.run import sample_record
+from rkvjax.runtime import requests
+from rkvjax.runtime.results import GenerationResult, StreamDelta
+
+STREAM_FIELDS = ("stream", "stream_options")
+STREAM_OPTIONS = ("include_usage",)
+
+
+MAX_MESSAGE_CHARS = 500
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry: bool = True,
+    ):
+        if len(message) > MAX_MESSAGE_CHARS:  # a reply never carries back a client's kilobytes
+            cut = len(message) - MAX_MESSAGE_CHARS
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = (
+            status,
+            message,
+            kind,
+            code,
+            param,
+        )
+        # OpenAI's clients retry 408, 409, 429 and 5xx unless told not to: a timed-out request
+        # would run again twice.
+        self.headers = {} if retry else {"x-should-retry": "false"}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, kind=self.kind, code=self.code, param=self.param)
+
+
+def error_body(
+    message: str, *, kind: str = "invalid_request_error", code=None, param=None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """A checked request body."""
+
+    kind: str  # "chat" or "completions"
+    prompt: Any  # messages (chat), text or token ids (completions)
+    fields: dict[str, Any]  # the SamplingParams fields it gives
+    model: str | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(raw: bytes, kind: str) -> CompletionRequest:
+    """A request's body (bytes) -> CompletionRequest; APIError 400 saying what is wrong."""
+    where = "request"
+    try:
+        body = requests.load_json(raw, where)
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"{where}: the body is not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"{where}: the body is not valid JSON ({e.msg})") from None
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    if isinstance(body, dict):  # null means not given, as in OpenAI's API
+        body = {k: v for k, v in body.items() if v is not None}
+    try:
+        prompt, fields = openai_batch.parse_body(body, kind, where, extra=STREAM_FIELDS)
+        stream, include_usage = _stream_fields(body, where)
+        if "logprobs" in body and "logprobs" not in fields:  # `false` overrides a default
+            fields["logprobs"] = None
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return CompletionRequest(kind, prompt, fields, body.get("model"), stream, include_usage)
+
+
+def _stream_fields(body: Mapping[str, Any], where: str) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ValueError(f"{where}: `stream` must be true or false, got {show(stream)}")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise ValueError(f"{where}: `stream_options` needs `stream: true`")
+    if not isinstance(options, dict):
+        raise ValueError(f"{where}: `stream_options` must be an object, got {show(options)}")
+    extra = [k for k in options if k not in STREAM_OPTIONS]
+    if extra:
+        raise ValueError(
+            f"{where}: `stream_options` field(s) {', '.join(map(repr, extra))} not supported "
+            f"(supported: {', '.join(STREAM_OPTIONS)})"
+        )
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise ValueError(
+            f"{where}: `stream_options.include_usage` must be true or false, got {show(usage)}"
+        )
+    return stream, usage
+
+
+def rkvjax_stats(result: GenerationResult) -> dict[str, Any]:
+    """A sample's cache numbers, the extra `rkvjax` field of its choice."""
+    st = result.stats
+    return {
+        "compressions": st.compressions,
+        "peak_cache_slots": st.peak_cache_slots,
+        "stalled_steps": st.stalled_steps,
+        "cache_capacity": st.cache_capacity,
+    }
+
+
+def response_body(
+    results: Sequence[GenerationResult],
+    *,
+    kind: str,
+    body_id: str,
+    model_name: str,
+    created: int,
+    token_text: Callable[[int], str],
+) -> dict[str, Any]:
+    """A request's finished samples as one chat.completion (or text_completion) object."""
+    body = openai_batch.completion_body(
+        [sample_record(r) for r in results],
+        chat=kind == "chat",
+        body_id=body_id,
+        model_name=model_name,
+        token_text=token_text,
+        created=created,
+    )
+    by_index = {r.sample_index: r for r in results}
+    for c in body["choices"]:
+        c["rkvjax"] = rkvjax_stats(by_index[c["index"]])
+    return body
+
+
+class ChunkWriter:
+    """One streamed request's server-sent events, in OpenAI's chunk shape.
+
+    Each event is `data: <json>` and a blank line; the stream ends with `data: [DONE]`. A chat
+    choice opens with a chunk holding the assistant role. A finished sample's last chunk holds
+    its `finish_reason` and its `rkvjax` numbers; with `include_usage`, every chunk has
+    `usage: null` and one more chunk (no choices) holds the request's usage.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        body_id: str,
+        model_name: str,
+        created: int,
+        include_usage: bool,
+        prompt_tokens: int,
+        token_text: Callable[[int], str],
+    ):
+        self.chat = kind == "chat"
+        self.head = {
+            "id": body_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": created,
+            "model": model_name,
+        }
+        self.include_usage = include_usage
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.token_text = token_text
+        self._offsets: dict[int, int] = {}  # completions: token texts so far per choice
+
+    def _event(self, choices: list[dict[str, Any]], **extra) -> bytes:
+        chunk = {**self.head, "choices": choices, **extra}
+        if self.include_usage and "usage" not in extra:
+            chunk["usage"] = None
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+    def opening(self, n: int) -> bytes:
+        """The first event: each chat choice's role (nothing for completions)."""
+        if not self.chat:
+            return b""
+        choices = [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None}
+            for i in range(n)
+        ]  # fmt: skip
+        return self._event(choices)
+
+    def delta(self, d: StreamDelta) -> bytes:
+        """One sample's delta as an event (nothing when it holds no text, no logprobs and
+        does not finish)."""
+        lp = None
+        if d.logprobs is not None and d.token_ids:
+            rec = {"token_ids": d.token_ids, "logprobs": d.logprobs, "top_logprobs": d.top_logprobs}
+            if self.chat:
+                lp = openai_batch.chat_logprobs(rec, self.token_text)
+            else:
+                at = self._offsets.get(d.sample_index, 0)
+                lp = openai_batch.completion_logprobs(rec, self.token_text, at)
+                self._offsets[d.sample_index] = at + sum(map(len, lp["tokens"]))
+        if not d.text and lp is None and d.result is None:
+            return b""
+        choice: dict[str, Any] = {"index": d.sample_index}
+        if self.chat:
+            choice["delta"] = {"content": d.text} if d.text or d.result is None else {}
+        else:
+            choice["text"] = d.text
+        choice["logprobs"] = lp
+        choice["finish_reason"] = None
+        if d.result is not None:
+            choice["finish_reason"] = d.result.finish_reason
+            choice["rkvjax"] = rkvjax_stats(d.result)
+            self.completion_tokens += len(d.result.token_ids)
+        return self._event([choice])
+
+    def closing(self) -> bytes:
+        """The usage event (with include_usage) and `[DONE]`."""
+        out = b""
+        if self.include_usage:
+            usage = openai_batch.usage(self.prompt_tokens, self.completion_tokens)
+            out += self._event([], usage=usage)
+        return out + b"data: [DONE]\n\n"
+
+    def error(self, err: APIError) -> bytes:
+        """An error after the stream began (vLLM's way): an event with the error, then
+        `[DONE]`."""
+        return b"data: " + json.dumps(err.body()).encode("utf-8") + b"\n\ndata: [DONE]\n\n"
