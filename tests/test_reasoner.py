@@ -82,7 +82,9 @@ def test_the_tokenizer_encodes_every_text_and_the_engine_reads_it(tmp_path):
         text = p.prompt() + p.trace()
         enc = tok.encode(text)
         assert tokens.UNK not in enc.tokens and tok.decode(enc.ids) == text
-    assert tok.encode("rounds 12\nround 3\n").tokens == ["rounds ", "1", "2\n", "round ", "3\n"]
+    assert tok.encode("rounds 12\nround 3\n").tokens == ["rounds ", "12\n", "round ", "3\n"]
+    # Every round line is two tokens: a problem's rounds all span the same positions.
+    assert {len(tok.encode(f"round {r}\n").ids) for r in range(1, 41)} == {2}
     assert tok.encode("a=d+b=0+2=2\n").tokens == ["a=", "d+", "b=", "0+", "2=", "2\n"]
     tokens.save(tmp_path)
     from rkvjax.text.tokenizer import Tokenizer

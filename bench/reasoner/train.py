@@ -50,7 +50,7 @@ class TrainConfig:
     seed: int = 0
     # About 6 s a step on two CPU cores at the default shape (B x T = 8K tokens): 1200 steps
     # are the two hours the task allows. A row holds any problem of up to 5 ops over 20 rounds
-    # (at most 692 tokens); longer ones are drawn again.
+    # (at most 680 tokens); longer ones are drawn again.
     steps: int = 1200
     rows: int = 8  # B
     length: int = 1024  # T: tokens per packed row
@@ -70,7 +70,7 @@ def hf_config(cfg: TrainConfig) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": 128,  # the tokenizer's 122, rounded up
+        "vocab_size": -(-len(tokens.VOCAB) // 32) * 32,  # the tokenizer's, rounded up
         **dict(cfg.shape),
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,

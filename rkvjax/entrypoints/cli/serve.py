@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     api_key = api_key_of(args.api_key, os.environ.get("RKVJAX_API_KEY"))
-    serve_app.checkapi_key_of(api_key)
+    serve_app.check_api_key(api_key)
     if fields.get("logprobs") is not None and fields["logprobs"] > args.max_logprobs:
         raise ValueError(f"--logprobs {fields['logprobs']} is more than --max-logprobs")
     sock = serve.bind(args.host, args.port)
