@@ -415,10 +415,14 @@ def test_compression_adds_no_collectives_on_a_mesh(method, options_of):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_keydiff_on_a_data_x_model_mesh_equals_one_device(tiny_checkpoint):
+@pytest.mark.parametrize("method, budget", [("keydiff", 16), ("triattention", 24)])
+def test_on_a_data_x_model_mesh_equals_one_device(tiny_checkpoint, options_of, method, budget):
+    """Rows on "data", KV heads with their query heads on "model": each device scores its own
+    heads (TriAttention with those heads' own statistics), and keeps what one device keeps."""
     folder = tiny_checkpoint("llama")[0]
     prompts = [_prompt(n, seed=700 + n) for n in (9, 20, 33)]
-    kw = dict(method="keydiff", budget=16, buffer=8, max_new_tokens=40, record_kept=True)
+    kw = dict(method=method, budget=budget, buffer=8, max_new_tokens=40, record_kept=True)
+    kw.update(options_of(method))
     want = rkvjax.generate(_load(folder), prompts, **kw)
     sharded = rkvjax.load(folder, dtype="float32", mesh=sub_mesh(2, 2))
     got = rkvjax.generate(sharded, prompts, **kw)

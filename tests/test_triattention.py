@@ -27,7 +27,6 @@ from rkvjax.kv.policies import triattention_stats
 from tests.conftest import CALIBRATION_LENGTHS
 from tests.reference import triattention_numpy as ref
 from tests.test_policy import _full_qk, _load, _prompt, _waiting_rows_run
-from tests.test_sharding import sub_mesh
 
 W = 8
 BUFFER = 8
@@ -304,22 +303,6 @@ def test_decode_compressions_match_reference_with_waiting_rows(llama, stats_of):
         # fills every place the window leaves).
         assert decisive or len(p) >= budget - W
         assert (res.kept_positions[:, :, :, : min(len(p), budget - W)] < len(p)).all()
-
-
-def test_on_a_data_x_model_mesh_equals_one_device(tiny_checkpoint, stats_of):
-    """Rows on "data", KV heads with their query heads on "model": each device scores its own
-    heads with their own statistics, and keeps what one device keeps."""
-    folder = tiny_checkpoint("llama")[0]
-    prompts = [_prompt(n, seed=700 + n) for n in (8, 12, 33)]
-    kw = dict(method="triattention", calibration=stats_of("llama"), budget=24, buffer=8)
-    kw.update(max_new_tokens=40, record_kept=True)
-    want = rkvjax.generate(_load(folder), prompts, **kw)
-    sharded = rkvjax.load(folder, dtype="float32", mesh=sub_mesh(2, 2))
-    got = rkvjax.generate(sharded, prompts, **kw)
-    for g, w in zip(got, want, strict=True):
-        assert g.token_ids == w.token_ids
-        assert g.stats.compressions == w.stats.compressions >= 2  # decode (and prompt)
-        np.testing.assert_array_equal(g.kept_positions, w.kept_positions)
 
 
 # ---------------------------------------------------------------------------------------------
