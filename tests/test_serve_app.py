@@ -997,8 +997,9 @@ def test_shutdown_during_prepare():
 )
 def test_bad_serve_flags_fail_in_one_line_before_the_model_loads(argv, names, capsys, monkeypatch):
     from rkvjax.entrypoints import cli
+    from rkvjax.entrypoints.cli import flags
 
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flags, "load", lambda args: pytest.fail("the model loaded"))
     assert cli.main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rkvjax: error:") and names in err and err.count("\n") == 1, err
@@ -1007,8 +1008,9 @@ def test_bad_serve_flags_fail_in_one_line_before_the_model_loads(argv, names, ca
 def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
     """`RKVJAX_API_KEY=` (set but empty) would start an open server its user thinks locked."""
     from rkvjax.entrypoints import cli
+    from rkvjax.entrypoints.cli import flags
 
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flags, "load", lambda args: pytest.fail("the model loaded"))
     monkeypatch.setenv("RKVJAX_API_KEY", "")
     assert cli.main(["serve"]) == 2
     err = capsys.readouterr().err
@@ -1017,8 +1019,9 @@ def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
 
 def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
     from rkvjax.entrypoints import cli
+    from rkvjax.entrypoints.cli import flags
 
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flags, "load", lambda args: pytest.fail("the model loaded"))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         assert cli.main(["serve", "--port", str(port)]) == 2

@@ -20,6 +20,7 @@ from rkvjax.models import layers
 
 import rkvjax
 from rkvjax.entrypoints import calibration, cli, evaluation
+from rkvjax.entrypoints.cli import flags
 from rkvjax.kv import policies
 from rkvjax.kv import selection as C
 from rkvjax.kv.config import compression_config
@@ -361,7 +362,7 @@ def test_calibrate_checks_its_output_before_the_model_loads(
     (tmp_path / "afile.txt").write_text("x")
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "hello"}\n')
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr(flags, "load", lambda args: pytest.fail("the model loaded"))
     assert cli.main(["calibrate", str(data), str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
     assert re.match(f"rkvjax: error: .*{message}", err) and err.count("\n") == 1, err
