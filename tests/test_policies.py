@@ -34,11 +34,11 @@ from tests import reference
 from tests.reference import keydiff_numpy
 from tests.test_compression import SCORE_TOL, _inputs, _random_valid
 from tests.test_policy import (
+    _assert_layer0_replays,
     _full_qk,
     _load,
     _prompt,
     _ref_keep,
-    _simulate_layer0,
     _waiting_rows_run,
 )
 from tests.test_sharding import COLLECTIVES, _random_cache, sub_mesh
@@ -320,26 +320,22 @@ def test_keydiff_prefill_compression_matches_reference(tiny_checkpoint, kind, bu
             )
 
 
-def test_keydiff_decode_compressions_match_reference_with_waiting_rows(llama):
+@pytest.mark.parametrize("method", ["rkv", "snapkv", "streaming", "keydiff"])
+def test_decode_compressions_match_reference_with_waiting_rows(llama, method):
     """Ragged rows (one compressed at prefill) and four rows of one length that fill on the same
     step with one lane, so three wait: every layer-0 compression replayed, every layer at the
     first, and each row's tokens and keep sets as alone."""
     lengths = (9, 14, 30, 11, 11, 11, 11)
     prompts = [_prompt(n, seed=500 + i) for i, n in enumerate(lengths)]
-    cc = compression_config("keydiff", BUDGET, buffer=BUFFER)
+    cc = compression_config(method, BUDGET, buffer=BUFFER)
     got = _waiting_rows_run(llama, cc, prompts, [_greedy(50)] * len(prompts))
     qs, ks = _full_qk(llama, [p + r.token_ids for p, r in zip(prompts, got, strict=True)], 80)
+    _assert_layer0_replays(method, prompts, got, qs, ks, budget=BUDGET, buffer=BUFFER)
     for r, (p, res) in enumerate(zip(prompts, got, strict=True)):
-        events = res.stats.compressions
-        assert events >= 3
-        want = _simulate_layer0(
-            "keydiff", qs[0][r], ks[0][r], len(p), events, budget=BUDGET, buffer=BUFFER
-        )
-        np.testing.assert_array_equal(res.kept_positions[:, 0], want, err_msg=f"row {r}")
         n = len(p) if len(p) > BUDGET else BUDGET + BUFFER
         held = [list(range(n))] * ks[0].shape[2]
         for layer in range(len(ks)):
-            first = _ref_keep("keydiff", qs[layer][r], ks[layer][r], held, budget=BUDGET)
+            first = _ref_keep(method, qs[layer][r], ks[layer][r], held, budget=BUDGET)
             np.testing.assert_array_equal(res.kept_positions[0, layer], first)
 
 

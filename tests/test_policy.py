@@ -153,6 +153,18 @@ def _simulate_layer0(
     return np.stack(out)
 
 
+def _assert_layer0_replays(method, prompts, results, qs, ks, *, budget, buffer) -> None:
+    """Every layer-0 compression of each row (at least three) keeps what the NumPy replay of
+    its cache schedule keeps (`_simulate_layer0`)."""
+    for r, (p, res) in enumerate(zip(prompts, results, strict=True)):
+        events = res.stats.compressions
+        assert events >= 3
+        want = _simulate_layer0(
+            method, qs[0][r], ks[0][r], len(p), events, budget=budget, buffer=buffer
+        )
+        np.testing.assert_array_equal(res.kept_positions[:, 0], want, err_msg=f"row {r}")
+
+
 def _waiting_rows_run(model, cc, prompts, params) -> list:
     """`prompts` in as many slots with one compression lane (rows that fill on the same step
     wait for it), checked against each request alone: the same tokens and kept sets. Returns
@@ -290,13 +302,7 @@ def test_every_layer0_compression_matches_replay(ragged, ragged_qk):
     its own token set, and the physical slots no longer match logical positions."""
     prompts, batch, _ = ragged
     qs, ks = ragged_qk
-    for r, (p, res) in enumerate(zip(prompts, batch, strict=True)):
-        events = res.stats.compressions
-        assert events >= 3
-        want = _simulate_layer0(
-            "rkv", qs[0][r], ks[0][r], len(p), events, budget=BUDGET, buffer=BUFFER
-        )
-        np.testing.assert_array_equal(res.kept_positions[:, 0], want, err_msg=f"row {r}")
+    _assert_layer0_replays("rkv", prompts, batch, qs, ks, budget=BUDGET, buffer=BUFFER)
     # The heads really diverge, so per-head slot positions are exercised.
     assert any(
         not np.array_equal(res.kept_positions[-1, 0, 0], res.kept_positions[-1, 0, 1])
