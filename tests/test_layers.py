@@ -167,3 +167,23 @@ def test_the_check_sees_function_level_imports_and_cycles(tmp_path):
     assert imports("pkg.b", known["pkg.b"], known) == [("pkg.a", 4)]
     graph = {n: {t for t, _ in imports(n, p, known)} for n, p in known.items()}
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_public_paths_still_answer():
+    """The names outside code calls keep working where the layers moved their code."""
+    from rkvjax.convert.hf_config import parse_hf_config
+    from rkvjax.models import sharding
+    from rkvjax.models.decoder import abstract_decoder
+
+    import rkvjax
+    from rkvjax.compression import keep_indices
+    from rkvjax.entrypoints import jobs
+    from rkvjax.kv import policies, selection
+    from rkvjax.policies import Policy, names, register
+
+    assert keep_indices is selection.keep_indices is rkvjax.compression.keep_indices
+    assert (names, register, Policy) == (policies.names, policies.register, policies.Policy)
+    assert rkvjax.policies.names() == policies.names()
+    assert rkvjax.jobs.run_job is jobs.run_job and rkvjax.sharding.make_mesh is sharding.make_mesh
+    assert callable(parse_hf_config) and callable(abstract_decoder)
+    assert callable(rkvjax.compression_config) and callable(rkvjax.load)
