@@ -139,6 +139,15 @@ def test_training_is_reproducible_and_the_engine_runs_its_folder(tmp_path):
     assert first == out.token_ids[0]
     score = train.teacher_forced(a, [problem] * 3, tok)
     assert score["exact"] in (0.0, 1.0) and 0 <= score["token"] <= 1
+    # Per kind: every trace token has one, and the shares weigh back to the token accuracy.
+    kinds = train.token_kinds(problem)
+    assert len(kinds) == len(tok.encode(problem.trace()).ids) + 1
+    by_kind = train.accuracy_by_kind(a, [problem], tok)
+    counts = {k: kinds.count(k) for k in by_kind}
+    assert sum(by_kind[k] * counts[k] for k in by_kind) / len(kinds) == pytest.approx(
+        train.teacher_forced(a, [problem], tok)["token"]
+    )
+    assert {"round", "name", "result", "answer", "end"} <= by_kind.keys()
     # What the engine computes is what training computed: the full forward's logits agree.
     ids = model.tokenizer.encode(prompt)
     batch = {"inputs": np.array([ids]), "positions": np.arange(len(ids))[None],
@@ -170,3 +179,17 @@ def test_the_suite_grades_settings_and_splits_by_length():
     got = suite.settings(args)
     assert len(got) == 2 * (1 + 2 * 2 * 2)  # FullKV once per storage type
     assert {"method": "full", "budget": None, "kv_dtype_arg": "int8", "share": "none"} in got
+
+
+def test_token_kinds_say_where_each_operand_was_last_written():
+    p = task.parse(
+        "vars a=5 b=2 c=6 d=0 e=1 f=8 g=1 h=5\nloop a=d+b g=g+d d=a-e\nrounds 2\nask c\n"
+    )
+    kinds = train.token_kinds(p)
+    assert len(kinds) == 2 * (2 + 3 * 6) + 3
+    operands = [k.removeprefix("operand: ") for k in kinds if k.startswith("operand")]
+    assert operands == [
+        "vars line", "vars line", "vars line", "vars line", "this round", "vars line",  # round 1
+        "an earlier round", "vars line", "an earlier round", "an earlier round",  # round 2
+        "this round", "vars line",
+    ]  # fmt: skip

@@ -170,19 +170,57 @@ def rows_of(problems: list[task.Problem], tok, multiple: int = 64) -> dict[str, 
     return laid_out([[s] for s in seqs], t)
 
 
+def _hits(model, problems: list[task.Problem], tok, chunk: int = 16):
+    """Per problem (in order): whether each trace and end token is the argmax given the right
+    tokens before it, bool [n]."""
+    for i in range(0, len(problems), chunk):
+        b = rows_of(problems[i : i + chunk], tok)
+        hit = np.asarray(_argmax(model, {k: jnp.asarray(v) for k, v in b.items()})) == b["targets"]
+        for row, w in zip(hit, b["weights"] > 0, strict=True):
+            yield row[w]
+
+
 def teacher_forced(model, problems: list[task.Problem], tok, chunk: int = 16) -> dict:
     """Greedy accuracy without decoding: a problem is right when every token of its trace and
     end is the argmax given the right tokens before it, which is exactly when greedy decoding
     writes the trace. Also the share of trace tokens right."""
-    whole, right, total = 0, 0, 0
-    for i in range(0, len(problems), chunk):
-        b = rows_of(problems[i : i + chunk], tok)
-        hit = np.asarray(_argmax(model, {k: jnp.asarray(v) for k, v in b.items()})) == b["targets"]
-        w = b["weights"] > 0
-        whole += int(np.sum(np.all(hit | ~w, axis=1)))
-        right += int(np.sum(hit & w))
-        total += int(np.sum(w))
-    return {"exact": whole / len(problems), "token": right / total}
+    hits = list(_hits(model, problems, tok, chunk))
+    return {
+        "exact": float(np.mean([h.all() for h in hits])),
+        "token": float(np.concatenate(hits).mean()),
+    }
+
+
+def token_kinds(problem: task.Problem) -> list[str]:
+    """What each trace token (and the end) of `problem` decides, in order: "round" (the round
+    line), "name" (an op's three names, copied from the loop), "operand: vars line" / "operand:
+    this round" / "operand: an earlier round" (a value, by where it was last written),
+    "result", "answer" and "end". Where a model fails tells what it has not learnt yet."""
+    last = dict.fromkeys(task.VARIABLES)  # the round of each variable's latest write
+    kinds = []
+    for r in range(1, problem.rounds + 1):
+        kinds += ["round"] * 2  # `round ` and the number with its newline
+        for target, x, _, y in problem.ops:
+            kinds += ["name"] * 3
+            for v in (x, y):
+                w = last[v]
+                where = "vars line" if w is None else "this round" if w == r else "an earlier round"
+                kinds.append(f"operand: {where}")
+            kinds.append("result")
+            last[target] = r
+    return [*kinds, "answer", "answer", "end"]
+
+
+def accuracy_by_kind(model, problems: list[task.Problem], tok) -> dict[str, float]:
+    """Teacher-forced accuracy per `token_kinds` kind over `problems`."""
+    right: dict[str, list[bool]] = {}
+    for p, hit in zip(problems, _hits(model, problems, tok), strict=True):
+        kinds = token_kinds(p)
+        if len(kinds) != len(hit):
+            raise ValueError(f"{len(hit)} trace tokens, {len(kinds)} kinds: the tokenizer moved")
+        for k, h in zip(kinds, hit, strict=True):
+            right.setdefault(k, []).append(bool(h))
+    return {k: float(np.mean(v)) for k, v in sorted(right.items())}
 
 
 def _loss(model, batch):
