@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
+from rkvjax.convert import default_model
 from rkvjax.convert.default_model import DEFAULT_MODEL
 from rkvjax.models import sharding
 from rkvjax.models.config import ModelConfig
@@ -64,14 +65,10 @@ def _default_dtype():
 def _resolve(path: str | Path | None) -> Path:
     """Where the Hugging Face folder of `path` lies, preparing it first if it must be converted."""
     if path is None or str(path) == DEFAULT_MODEL:
-        from rkvjax.convert.default_model import default_model_dir
-
-        return default_model_dir()
+        return default_model.default_model_dir()
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        from rkvjax.convert.default_model import prepared_gguf_dir
-
-        return prepared_gguf_dir(p)
+        return default_model.prepared_gguf_dir(p)
     if not p.is_dir():
         raise FileNotFoundError(
             f"{path}: no such model folder (give a Hugging Face checkpoint folder, a .gguf "
@@ -217,8 +214,6 @@ def random_init(config: str | Path | dict, *, dtype="bfloat16", seed: int = 0) -
 def _source_paths(src) -> list[Path]:
     """The files and folders `rkvjax.load(src)` reads or prepares, found without loading or
     converting anything."""
-    from rkvjax.convert import default_model
-
     if src is None or str(src) == DEFAULT_MODEL:
         paths = [default_model.default_cache_dir()]
         with contextlib.suppress(ImportError, OSError):  # the load reports a missing package

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
+
 from rkvjax import api, checks, defaults
 from rkvjax.entrypoints import jobs
 from rkvjax.kv import policies, quantization
@@ -307,7 +309,5 @@ def progress(args) -> bool:
 
 def report(line: str) -> None:
     """A command's closing line, on stderr, from process 0 only (every process ran it)."""
-    import jax
-
     if jax.process_index() == 0:
         print(line, file=sys.stderr)
