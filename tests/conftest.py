@@ -37,22 +37,14 @@ def _memory_mappings() -> int:
         return 0
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """Drops the compiled programs after a test module once the process holds many memory
-    mappings. XLA:CPU maps each kernel's code separately, about 1,300 mappings per engine
-    configuration here, and the suite compiles enough configurations to pass the kernel's limit
-    of 65,530 mappings, where compilation fails and the process crashes. Below the threshold
-    the programs stay cached, so later modules reuse what earlier ones compiled."""
-    yield
-    if _memory_mappings() > 30_000:
-        jax.clear_caches()
-
-
-@pytest.fixture
-def fewer_mappings():
-    """The same check after each test, for files that compile many engine configurations
-    (`pytestmark = pytest.mark.usefixtures("fewer_mappings")`)."""
+    """Drops the compiled programs after a test once the process holds many memory mappings.
+    XLA:CPU maps each kernel's code separately, about 1,300 mappings per engine configuration
+    here, and the suite compiles enough configurations to pass the kernel's limit of 65,530
+    mappings, where compilation fails and the worker crashes: tests/test_policies.py alone
+    reached 65,484, so a check at the end of each module was too late. Below the threshold the
+    programs stay cached, so later tests reuse what earlier ones compiled."""
     yield
     if _memory_mappings() > 30_000:
         jax.clear_caches()

@@ -26,11 +26,6 @@ def llama(tiny_checkpoint):
     return _load(tiny_checkpoint("llama_1layer")[0])
 
 
-# About 150 programs compiled here: past the kernel's limit on memory mappings if they all
-# stayed (conftest).
-pytestmark = pytest.mark.usefixtures("fewer_mappings")
-
-
 @pytest.mark.parametrize("columns", [1, 3, 8])
 @pytest.mark.parametrize("shape", [(40, 32), (320, 64), (960, 576)])
 def test_fixed_columns_give_each_column_the_same_bits_at_any_width(shape, columns):

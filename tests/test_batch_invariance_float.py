@@ -8,7 +8,6 @@ from tests.test_batch_invariance import check_method
 from tests.test_policy import _load
 
 KV_DTYPES = ("float32", "bfloat16")
-pytestmark = pytest.mark.usefixtures("fewer_mappings")
 
 
 @pytest.fixture(scope="module")
