@@ -675,6 +675,22 @@ def test_openai_lines_map_onto_sampling_settings(tmp_path):
     assert (plain.n, plain.sampling.stop, plain.sampling.max_tokens) == (2, ("\n",), 7)
 
 
+def test_chat_content_as_text_parts_is_one_text_in_jobs_too(tmp_path):
+    """A job line's chat, plain or in OpenAI's batch shape, may give `content` as text parts
+    (OpenAI's SDKs do): joined by newlines as vLLM joins them; another part is refused."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": "a", "messages": [{"role": "user", "content": parts}]}])
+    (plain,) = jobs.read_requests(src)
+    _write_jsonl(src, [_openai("b", messages=[{"role": "user", "content": parts}])])
+    (batch,) = jobs.read_requests(src)
+    assert plain.prompt == batch.prompt == [{"role": "user", "content": "Hello\nthere"}]
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    _write_jsonl(src, [_openai("c", messages=[{"role": "user", "content": image}])])
+    with pytest.raises(ValueError, match=r"in.jsonl:1: messages\[0\]\.content\[0\]: .*'image_url'"):
+        jobs.read_requests(src)
+
+
 def test_openai_chat_output_shape(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [_openai("c1", n=2, logprobs=True, top_logprobs=1, max_tokens=2)])
@@ -738,7 +754,11 @@ def test_openai_chat_output_shape(tmp_path):
             '{"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}',
             "messages\\[1\\]: unknown role 'wizard' \\(roles: system, user, assistant, tool\\)",
         ),
-        ('{"messages": [{"role": "user", "content": ["x"]}]}', "messages\\[0\\]: `content` must"),
+        (
+            '{"messages": [{"role": "user", "content": ["x"]}]}',
+            "messages\\[0\\]\\.content\\[0\\]: only text",
+        ),
+        ('{"messages": [{"role": "user", "content": 7}]}', "messages\\[0\\]: `content` must"),
         ('{"prompt": "\\ud800"}', "not valid Unicode text: a lone surrogate \\(U\\+D800\\)"),
         (
             '{"id": "\\udfff", "prompt": "x"}',

@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 import rkvjax
@@ -312,6 +313,119 @@ def test_client_that_disconnects_mid_stream_is_aborted(server):
     assert answer.choices[0].message.content
 
 
+_LONG = (
+    "Question: A farmer has 17 sheep and buys 5 more, then sells 8 of them at the market on "
+    "Tuesday. How many sheep does the farmer have now? Answer: The farmer starts with 17 sheep. "
+    "Buying 5 more gives 22 sheep. Selling 8 leaves 14 sheep, so the answer is 14. Question: "
+    "A train leaves at 3 pm and travels for 2 hours and 45 minutes. When does it arrive?"
+)
+
+
+def test_echo_scores_the_prompt_under_the_served_cache(server, smol):
+    """lm-eval's loglikelihood request, as it sends it (token ids in a list of lists): the
+    echoed prompt's log-probabilities are `rkvjax.score`'s with the served R-KV cache, for
+    every token past a prefix of the budget's length (a prefix that short is never
+    compressed), and the one generated token is the greedy one."""
+    ids = smol.tokenizer.encode(_LONG)[:100]
+    assert len(ids) == 100
+    body = {"model": NAME, "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True,
+            "temperature": 0}  # fmt: skip
+    status, reply = server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    (choice,) = reply["choices"]
+    lp = choice["logprobs"]
+    alone = _alone(smol, [ids], [1], chat=False)[0]
+    assert choice["text"] == smol.tokenizer.decode(ids) + alone.text
+    assert lp["tokens"] == _token_texts(smol, ids + alone.token_ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    budget = CACHE["budget"]
+    want = rkvjax.score(smol, ids, prompt_len=budget, **CACHE)
+    assert want.compressions > 0  # the scored tokens ran past the budget: the cache compressed
+    np.testing.assert_allclose(lp["token_logprobs"][budget:100], want.logprobs, atol=1e-4)
+    assert [next(iter(t)) for t in lp["top_logprobs"][budget:100]] == _token_texts(smol, want.top1)
+    assert lp["text_offset"][:3] == [0, len(lp["tokens"][0]), len("".join(lp["tokens"][:2]))]
+    assert reply["usage"] == {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}
+
+
+def test_an_echo_under_fullkv_is_the_forward_pass(smol):
+    """Under FullKV an echoed prompt's log-probabilities, and its most likely tokens, are the
+    log-softmax of one forward pass (`rkvjax.logits`)."""
+    import jax
+
+    from rkvjax.entrypoints.serve import scoring, serving_engine
+
+    engine, length = serving_engine(smol, cache={"method": "full"}, slots=1, max_model_len=96)
+    scorer = scoring.scoring_engine(engine, length)
+    ids = smol.tokenizer.encode(_LONG)[:80]
+    scorer.submit_many([scoring.prompt_request(scorer, ids, 2, "echo")])
+    (got,) = scorer.run()
+    logp = np.asarray(jax.nn.log_softmax(rkvjax.logits(smol, ids)[0], axis=-1))[:-1]  # [79, V]
+    np.testing.assert_allclose(got.logprobs, logp[np.arange(79), ids[1:]], atol=1e-4)
+    np.testing.assert_array_equal(got.top_ids, np.argsort(-logp, axis=-1)[:, :2])
+    np.testing.assert_allclose(got.top_logprobs, np.sort(logp, axis=-1)[:, ::-1][:, :2], atol=1e-4)
+
+
+def test_a_list_of_prompts_and_chat_text_parts_equal_each_alone(server, smol):
+    texts = ["The capital of France is", "One plus one equals"]
+    reply = server.client().completions.create(
+        model=NAME, prompt=texts, max_tokens=12, temperature=0
+    )
+    want = _alone(smol, texts, [12, 12], chat=False)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.text for c in reply.choices] == [w.text for w in want]
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "primary colors."}]
+    chat = server.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": parts}], max_tokens=10, temperature=0
+    )
+    (joined,) = _alone(smol, [_chat("Name three\nprimary colors.")], [10], chat=True)
+    assert chat.choices[0].message.content == joined.text
+
+
+def test_tokenize_and_detokenize_agree_with_the_model(server, smol):
+    body = json.dumps({"prompt": _LONG, "add_special_tokens": False}).encode()
+    status, got = server.post("/tokenize", body)
+    assert status == 200, got
+    ids = smol.tokenizer.encode(_LONG, add_special_tokens=False)
+    assert got["tokens"] == ids and got["count"] == len(ids)
+    status, text = server.post("/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and text == {"prompt": _LONG}
+    status, info = server.get("/tokenizer_info")
+    info = json.loads(info)
+    assert info["eos_token"] == smol.tokenizer.special_tokens["eos_token"]
+    assert "{%" in info["chat_template"]
+
+
+def _lm_eval(server, tmp_path, model: str, route: str, tasks: str, *extra: str) -> dict:
+    """lm-evaluation-harness run as its users run it, against the server; its results."""
+    pytest.importorskip("lm_eval")
+    out = tmp_path / model
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--tasks", tasks]
+    cmd += ["--model_args", f"model={NAME},base_url={server.base}{route}"]
+    cmd += ["--include_path", "tests/lm_eval_tasks", "--output_path", str(out), *extra]
+    env = {**os.environ, "OPENAI_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tasks' paths
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (path,) = out.rglob("results_*.json")
+    return json.loads(path.read_text())["results"]
+
+
+def test_lm_eval_scores_loglikelihood_and_generation_tasks(server, tmp_path):
+    """lm-eval's `local-completions` with its defaults (token-id prompts, /tokenizer_info and
+    /tokenize for its tokenizer) and batches of 4: a 4-shot generate_until task and a 4-shot
+    multiple-choice task, whose choices it scores with `echo` under the served R-KV cache;
+    `local-chat-completions` runs the generation task through the chat route."""
+    got = _lm_eval(server, tmp_path, "local-completions", "/v1/completions",
+                   "rkvjax_qa,rkvjax_mc", "--batch_size", "4")  # fmt: skip
+    assert 0.0 <= got["rkvjax_qa"]["exact_match,strip"] <= 1.0
+    # Eight questions a child answers: a scoring that ignored the prompt would be at chance.
+    assert got["rkvjax_mc"]["acc,none"] >= 0.5
+    got = _lm_eval(server, tmp_path, "local-chat-completions", "/v1/chat/completions",
+                   "rkvjax_qa", "--apply_chat_template")  # fmt: skip
+    assert 0.0 <= got["rkvjax_qa"]["exact_match,strip"] <= 1.0
+
+
 def _good_request_succeeds(server):
     r = server.client().completions.create(
         model=NAME, prompt="One, two, three, four, five, six, seven,", max_tokens=3, temperature=0
@@ -339,6 +453,13 @@ BAD_REQUESTS = {
         "/v1/chat/completions", _CHAT, {"Authorization": "Bearer test-key-124"}, 401),
     "another model": ("/v1/chat/completions", {**_CHAT, "model": "gpt-4o"}, {}, 404),
     "no such route": ("/v1/embeddings", _CHAT, {}, 404),
+    "echo not a bool": ("/v1/completions", {"prompt": "hi", "echo": 1}, {}, 400),
+    "an empty prompt in a list": ("/v1/completions", {"prompt": [[5, 6], []]}, {}, 400),
+    "an image part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, {}, 400),
+    "logprobs above the limit with echo": (
+        "/v1/completions", {"prompt": "hi there", "echo": True, "logprobs": 99}, {}, 400),
+    "tokenize a number": ("/tokenize", {"prompt": 5}, {}, 400),
 }  # fmt: skip
 
 

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import uvicorn
@@ -53,7 +54,9 @@ class CharTokenizer:
     has_chat_template = True
     chat_template_source = "<{{ role }}>{{ content }}"  # names no "tool" role
 
-    def encode(self, text: str) -> list[int]:
+    special_tokens: ClassVar = {"eos_token": "</s>"}
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
     def chat_ids(self, messages) -> list[int]:
@@ -1108,3 +1111,117 @@ def test_a_warm_up_stays_within_the_peak_its_slots_were_sized_for(tiny_checkpoin
     serve.warm_up(engine)
     assert engine.stats.narrowings == 0  # counters start afresh after it
     assert state < peak[0] - before <= server.PEAK_ROWS * state + outputs[0]
+
+
+def test_a_list_of_prompts_answers_each_in_order_and_echo_leads_with_the_prompt():
+    with serving() as s:
+        prompts = ["The answer is", [ord(c) for c in "Once"], "Why"]
+        reply = s.complete(prompts, n=2, max_tokens=3)
+        assert reply.status == 200, reply
+        body = reply.json()
+        asked = [r for r, _ in s.engine.submitted]
+        assert [r.prompt_token_ids for r in asked] == [
+            tuple(ord(c) for c in "The answer is"),
+            tuple(ord(c) for c in "Once"),
+            (ord("W"), 104, 121),
+        ]
+        # OpenAI's order: prompt p's samples are choices 2p and 2p + 1.
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        want = [
+            r
+            for q in asked
+            for r in sorted(s.engine.results_of(q.id), key=lambda r: r.sample_index)
+        ]
+        assert [c["text"] for c in body["choices"]] == [r.text for r in want]
+        assert body["usage"]["prompt_tokens"] == 13 + 4 + 3
+        assert body["usage"]["completion_tokens"] == sum(len(r.token_ids) for r in want)
+
+        reply = s.complete(["Once", [ord("O"), ord("K")]], max_tokens=2, echo=True)
+        assert reply.status == 200, reply
+        asked = [r for r, _ in s.engine.submitted[-2:]]
+        texts = [s.engine.results_of(q.id)[0].text for q in asked]
+        assert [c["text"] for c in reply.json()["choices"]] == ["Once" + texts[0], "OK" + texts[1]]
+        # An echo alone (max_tokens 0, as vLLM allows) reaches no engine.
+        before = len(s.engine.submitted)
+        reply = s.complete("Hi", max_tokens=0, echo=True)
+        assert reply.status == 200, reply
+        (choice,) = reply.json()["choices"]
+        assert choice["text"] == "Hi" and choice["finish_reason"] == "length"
+        assert len(s.engine.submitted) == before and reply.json()["usage"]["completion_tokens"] == 0
+
+
+def test_chat_content_as_text_parts_is_joined_as_vllm_joins_it():
+    with serving() as s:
+        parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+        reply = s.chat(messages=[{"role": "user", "content": parts}], max_tokens=2)
+        assert reply.status == 200, reply
+        tok = s.engine.model.tokenizer
+        want = tok.chat_ids([{"role": "user", "content": "Hello\nthere"}])
+        assert s.engine.request().prompt_token_ids == tuple(want)
+
+
+@pytest.mark.parametrize(
+    "path, body, names",
+    [
+        ("/v1/completions", {"prompt": ["ok", ""]}, "prompt[1]"),
+        ("/v1/completions", {"prompt": [[1, 2], "x", 3]}, "prompt[2]"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
+        ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, "list of prompts"),
+        ("/v1/completions", {"prompt": "xy", "echo": True, "logprobs": 1, "max_tokens": 1}, "echo"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": USER, "echo": True}, "echo"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "messages[0].content[0]",
+        ),
+    ],
+)
+def test_bad_prompt_lists_echo_and_content_parts_are_one_400_naming_the_field(path, body, names):
+    """Each a 400 in OpenAI's shape naming what is wrong; the server answers the next request
+    (this server has no scorer: an echo with logprobs is refused, not answered without them)."""
+    engine = FakeEngine()
+    engine.limits = dataclasses.replace(engine.limits, logprobs=5)
+    with serving(engine) as s:
+        reply = s.request("POST", path, body)
+        err = assert_error_shape(reply, 400)
+        assert names in err["message"], err
+        assert not s.engine.submitted
+        assert s.complete("ok", max_tokens=1).status == 200
+
+
+def test_tokenizer_routes_in_vllms_shapes():
+    with serving(api_key=KEY) as s:  # at the root, open as vLLM's are
+        reply = s.request("POST", "/tokenize", {"prompt": "Hi!", "add_special_tokens": False})
+        assert reply.status == 200, reply
+        assert reply.json() == {"count": 3, "max_model_len": CONTEXT, "tokens": [72, 105, 33],
+                                "token_strs": None}  # fmt: skip
+        reply = s.request("POST", "/tokenize", {"messages": USER})
+        assert reply.json()["tokens"] == s.engine.model.tokenizer.chat_ids(USER)
+        reply = s.request("POST", "/detokenize", {"tokens": [72, 105, EOS]})
+        assert reply.status == 200 and reply.json() == {"prompt": "Hi</s>"}
+        info = s.request("GET", "/tokenizer_info").json()
+        assert info["eos_token"] == "</s>" and info["bos_token"] is None
+        assert info["chat_template"] == CharTokenizer.chat_template_source
+        assert info["model_max_length"] == CONTEXT
+        for path, body, names in [
+            ("/tokenize", {"prompt": 3}, "prompt"),
+            ("/tokenize", {"prompt": "a", "messages": USER}, "one of"),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens"),
+            ("/tokenize", {"text": "a"}, "text"),
+            ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, "gpt-4o"),
+            ("/detokenize", {"tokens": [1, -2]}, "-2"),
+            ("/detokenize", {"tokens": "12"}, "tokens"),
+            ("/detokenize", b"[1, 2]", "object"),
+        ]:
+            reply = s.request("POST", path, body)
+            err = assert_error_shape(reply, 404 if "gpt-4o" in names else 400)
+            assert names in err["message"], (path, body, err)
+        assert s.request("POST", "/tokenize", {"prompt": "ok"}).status == 200

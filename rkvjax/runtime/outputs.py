@@ -199,6 +199,8 @@ class OutputProcessor:
                 compressions=s.compressions,
                 peak_cache_slots=s.peak,
                 request_id=r.id,
+                top_ids=np.concatenate(s.top_ids) if s.top_ids else None,
+                top_logprobs=np.concatenate(s.top_logprobs) if s.top_logprobs else None,
             )
         # Decoded once, whole: the stop watcher's text holds back a last incomplete character,
         # which a full decode shows as U+FFFD, as transformers does.

@@ -435,7 +435,11 @@ def _choose(logits, s_sampling, num, block_ids, given, counts, seen, plan: Plan)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
         chosen = jnp.take_along_axis(logp, tok[:, None], axis=1)[:, 0]
         top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tok, chosen, None, top1, logp if plan.keep_dists else None
+        top = None
+        if plan.sampler.logprobs:  # the most likely tokens too (a server's echoed prompt)
+            top_lp, top_ids = jax.lax.top_k(logp, plan.sampler.logprobs)  # [B, N]
+            top = (top_ids.astype(jnp.int32), top_lp)
+        return tok, chosen, top, top1, logp if plan.keep_dists else None
     keys = token_keys(s_sampling.seed, s_sampling.sample_index, num)
     blocked = _block(logits.astype(jnp.float32), block_ids, num < s_sampling.min_tokens)
     tok = sample_rows(

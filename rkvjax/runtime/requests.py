@@ -280,6 +280,44 @@ def check_strings(value: Any, where: str) -> None:
             check_strings(v, where)
 
 
+def joined_parts(messages: Any, where: str, field: str = "chat") -> Any:
+    """A chat whose message `content` may be a list of text parts (`{"type": "text", "text":
+    ...}`, as OpenAI's SDKs send) -> the same chat with each such content one string, the
+    parts joined by newlines as vLLM joins them. Anything but a list of messages is returned
+    as it is, for `check_messages` to name.
+
+    Raises:
+      ValueError: a part that is not text, naming it (`field[i].content[j]`).
+    """
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        texts = []
+        for j, part in enumerate(content):
+            at = f"{where}: {field}[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text":
+                got = f"type {kind!r}" if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(
+                    f'{at}: only text parts ({{"type": "text", "text": ...}}) are supported, '
+                    f"got {got}"
+                )
+            extra = [k for k in part if k not in ("type", "text")]
+            if extra or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f'{at}: a text part is {{"type": "text", "text": <string>}}, got keys '
+                    f"{sorted(part)}" + ("" if extra else " with a non-string `text`")
+                )
+            texts.append(part["text"])
+        out.append({**m, "content": "\n".join(texts)})
+    return out
+
+
 def check_messages(messages: Any, where: str, field: str = "chat") -> None:
     """A chat: a non-empty list of messages, each {"role": ..., "content": ...} (and an
     assistant's optional "reasoning_content") with string values (keys set to null count as

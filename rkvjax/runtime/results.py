@@ -88,6 +88,10 @@ class ScoreResult:
     compressions: int
     peak_cache_slots: int
     request_id: Any = None
+    # With SamplingParams(logprobs=N) on an Engine(teacher=True, logprobs>=N): the N most
+    # likely tokens at each step, most likely first ([T, N]; None otherwise).
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

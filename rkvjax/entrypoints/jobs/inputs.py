@@ -138,6 +138,7 @@ def _prompt_of(obj: Mapping[str, Any], where: str) -> str | list:
         if not isinstance(value, str) or not value:
             raise ValueError(f"{where}: `prompt` must be a non-empty string, got {show(value)}")
     elif key == "messages":
+        value = requests.joined_parts(value, where, field="messages")
         requests.check_messages(value, where, field="messages")
     elif not isinstance(value, list) or not value or not all(map(_is_int, value)):
         raise ValueError(

@@ -102,8 +102,42 @@ def parse_line(obj: Mapping[str, Any], where: str) -> tuple[str, Any, dict[str, 
     return cid, prompt, fields, kind
 
 
+def is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _one_prompt(x: Any) -> bool:
+    """A non-empty string or list of token ids."""
+    return bool(x) and (isinstance(x, str) or is_ids(x))
+
+
+def _prompts(prompt: Any, where: str, url: str, prefix: str) -> list:
+    """A completions `prompt` in any of OpenAI's forms (a string, a list of ids, a list of
+    strings, a list of id lists) -> the list of prompts, one choice group each."""
+    if _one_prompt(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        for i, p in enumerate(prompt):
+            if not _one_prompt(p):
+                raise ValueError(
+                    f"{where}: {prefix}`prompt[{i}]` must be a non-empty string or list of "
+                    f"token ids, got {show(p)}"
+                )
+        return prompt
+    raise ValueError(
+        f"{where}: a {url} {prefix or 'request '}needs `prompt`: a non-empty string, a list "
+        f"of token ids, or a non-empty list of either, got {show(prompt)}"
+    )
+
+
 def parse_body(
-    body: Any, kind: str, where: str, *, extra: Sequence[str] = (), prefix: str = ""
+    body: Any,
+    kind: str,
+    where: str,
+    *,
+    extra: Sequence[str] = (),
+    prefix: str = "",
+    many: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """A request body of `kind` ("chat" or "completions") -> (prompt, SamplingParams fields).
 
@@ -112,6 +146,8 @@ def parse_body(
       where: how errors name the request.
       extra: more fields the caller reads itself (a server's `stream`), allowed here.
       prefix: how errors name a field: "body " for a batch line's body.
+      many: completions: `prompt` may also be a list of strings or of id lists, and the
+        prompt returned is the list of prompts (a server's request; a batch line holds one).
     """
     url = f"/v1/{'chat/' if kind == 'chat' else ''}completions"
     if not isinstance(body, dict):
@@ -129,14 +165,13 @@ def parse_body(
     if kind == "chat":
         if "messages" not in body:
             raise ValueError(f"{where}: a {url} {prefix or 'request '}needs `messages`")
-        requests.check_messages(body["messages"], where, field="messages")
-        prompt = body["messages"]
+        prompt = requests.joined_parts(body["messages"], where, field="messages")
+        requests.check_messages(prompt, where, field="messages")
     else:
         prompt = body.get("prompt")
-        ids = isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        )
-        if not ((isinstance(prompt, str) or ids) and prompt):
+        if many:
+            prompt = _prompts(prompt, where, url, prefix)
+        elif not _one_prompt(prompt):
             raise ValueError(
                 f"{where}: a {url} {prefix or 'request '}needs `prompt`: a non-empty string or "
                 f"list of token ids, got {show(prompt)}"

@@ -1,7 +1,8 @@
 """The HTTP side of `rkvjax serve`: a Starlette app in front of one engine thread.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the API
-key when there is one), `GET /health` and `GET /metrics`. A request is read (at most
+key when there is one), `GET /health`, `GET /metrics`, and vLLM's tokenizer routes
+`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`. A request is read (at most
 `max_body_bytes`), checked (`protocol.parse_request`), encoded and checked against the engine
 (`Engine.prepare`, on a worker thread: a long prompt's tokenization does not hold up the event
 loop) before anything is queued, so every bad request is a 4xx in OpenAI's error shape and
@@ -28,7 +29,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rkvjax.entrypoints.serve import DEFAULT_MAX_BODY_BYTES, protocol
+from rkvjax.entrypoints.serve import DEFAULT_MAX_BODY_BYTES, protocol, scoring
 from rkvjax.entrypoints.serve.metrics import CONTENT_TYPE, Metrics
 from rkvjax.entrypoints.serve.protocol import APIError
 from rkvjax.entrypoints.serve.worker import EngineWorker, Handle, ShutDown
@@ -68,12 +69,25 @@ def check_api_key(key: str | None) -> None:
         raise ValueError("the API key must be printable ASCII without spaces")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One prompt of a request, prepared: its token ids, the sampling request (None for an
+    echo with max_tokens 0) and the scoring of its tokens (an echo with logprobs)."""
+
+    ids: list[int]
+    text: str  # what an echo shows: the prompt as given, or its ids decoded
+    sampling: SamplingParams
+    sample: requests.Request | None
+    score: requests.Request | None
+
+
 class _Server:
     """The app's state: the engine, its thread once started, the metrics."""
 
-    def __init__(self, engine, config: ServeConfig):
+    def __init__(self, engine, config: ServeConfig, scorer=None):
         self.engine = engine
         self.config = config
+        self.scorer = scorer
         self.worker: EngineWorker | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = Metrics(lambda: self.worker.current() if self.worker else _idle(engine))
@@ -102,7 +116,7 @@ class _Server:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.loop = asyncio.get_running_loop()
-        self.worker = EngineWorker(self.engine, self.loop, self.metrics)
+        self.worker = EngineWorker(self.engine, self.loop, self.metrics, scorer=self.scorer)
         self.worker.start()
         self.accepting = True
         try:
@@ -157,39 +171,61 @@ class _Server:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _prepare(self, req: protocol.CompletionRequest, request_id: str) -> requests.Request:
-        """The request encoded and checked against the engine (runs on a worker thread)."""
-        where = "request"
-        engine, cfg = self.engine, self.config
-        try:
-            chat = None if req.kind == "chat" else False  # completions: raw text, as OpenAI's
-            ids = requests.encode(engine.model.tokenizer, req.prompt, chat, where)
-            fields = {**cfg.defaults, **req.fields}
-            if "max_tokens" not in req.fields:  # the server's default, within the context
-                left = cfg.max_model_len - len(ids)
-                if left < 1:
-                    raise ValueError(
-                        f"{where}: a prompt of {len(ids)} tokens leaves no room for output in "
-                        f"the {cfg.max_model_len}-token context"
-                    )
-                fields["max_tokens"] = min(fields.get("max_tokens") or left, left)
+    def _prepare(self, req: protocol.CompletionRequest, request_id: str) -> list[_Part]:
+        """The request's prompts encoded and checked against the engine (runs on a worker
+        thread): one `_Part` each, in order."""
+        parts, one = [], len(req.prompts) == 1
+        for p, prompt in enumerate(req.prompts):
+            where = "request" if one else f"request prompt[{p}]"
+            rid = request_id if one else f"{request_id}-{p}"
             try:
-                sampling = SamplingParams(**fields)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{where}: {e}") from None
-            if sampling.n > engine.slots:
+                parts.append(self._prepare_one(req, prompt, rid, where))
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+        return parts
+
+    def _prepare_one(self, req, prompt, request_id: str, where: str) -> _Part:
+        engine, cfg = self.engine, self.config
+        tok = engine.model.tokenizer
+        chat = None if req.kind == "chat" else False  # completions: raw text, as OpenAI's
+        ids = requests.encode(tok, prompt, chat, where)
+        fields = {**cfg.defaults, **req.fields}
+        if "max_tokens" not in req.fields:  # the server's default, within the context
+            left = cfg.max_model_len - len(ids)
+            if left < 1:
                 raise ValueError(
-                    f"{where}: n={sampling.n} is more samples than the server's {engine.slots} "
-                    "slots"
+                    f"{where}: a prompt of {len(ids)} tokens leaves no room for output in "
+                    f"the {cfg.max_model_len}-token context"
                 )
-            if len(ids) + sampling.max_tokens > cfg.max_model_len:
-                raise ValueError(
-                    f"{where}: {len(ids)} prompt tokens + max_tokens={sampling.max_tokens} is "
-                    f"more than the served context of {cfg.max_model_len} tokens"
-                )
-            return engine.prepare(ids, sampling, request_id=request_id, where=where)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+            fields["max_tokens"] = min(fields.get("max_tokens") or left, left)
+        sample_ok = not (req.echo and fields["max_tokens"] == 0)  # vLLM's echo-only request
+        if not sample_ok:
+            fields["max_tokens"] = 1  # checked as one token; none is generated
+        try:
+            sampling = SamplingParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        if sampling.n > engine.slots:
+            raise ValueError(
+                f"{where}: n={sampling.n} is more samples than the server's {engine.slots} slots"
+            )
+        if len(ids) + sampling.max_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"{where}: {len(ids)} prompt tokens + max_tokens={sampling.max_tokens} is "
+                f"more than the served context of {cfg.max_model_len} tokens"
+            )
+        sample = engine.prepare(ids, sampling, request_id=request_id, where=where)
+        score = None
+        if req.echo and sampling.logprobs is not None and len(ids) > 1:
+            if self.scorer is None:
+                raise ValueError(f"{where}: this server scores no prompts (`echo` with `logprobs`)")
+            score = scoring.prompt_request(
+                self.scorer, ids, sampling.logprobs, f"{request_id}-prompt"
+            )
+        text = ""
+        if req.echo:
+            text = prompt if isinstance(prompt, str) else tok.decode(ids) if tok else ""
+        return _Part(ids, text, sampling, sample if sample_ok else None, score)
 
     # -- routes ---------------------------------------------------------------------------
 
@@ -206,44 +242,58 @@ class _Server:
         req = await anyio.to_thread.run_sync(
             protocol.parse_request, await self._body(request), kind
         )
-        if req.model is not None and req.model != self.config.model_name:
-            raise APIError(
-                404,
-                f"The model `{req.model}` does not exist; this server serves "
-                f"`{self.config.model_name}`",
-                code="model_not_found",
-                param="model",
-            )
+        self._check_model(req.model)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        prepared = await anyio.to_thread.run_sync(self._prepare, req, rid)
+        parts = await anyio.to_thread.run_sync(self._prepare, req, rid)
         self._check_ready()  # again: the server may have begun to shut down meanwhile
-        handle = self.worker.submit(prepared, stream=req.stream)
-        if req.stream:
+        if req.stream:  # one prompt, no echo (protocol.parse_request)
+            handle = self.worker.submit(parts[0].sample, stream=True)
             return StreamingResponse(
                 self._stream(handle, req), media_type="text/event-stream", headers=_NO_CACHE
             )
-        results = await self._collect(handle, request)
+        handles = [
+            self.worker.submit(r, stream=False)
+            for part in parts
+            for r in (part.score, part.sample)
+            if r is not None
+        ]
+        results = await self._collect(handles, request)
         if results is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        body = protocol.response_body(
-            results,
-            kind=kind,
+        common = dict(
             body_id=rid,
             model_name=self.config.model_name,
             created=int(time.time()),
             token_text=self._token_text,
         )
-        return JSONResponse(body)
+        if len(parts) == 1 and not req.echo:
+            body = protocol.response_body(results[parts[0].sample.id], kind=kind, **common)
+            return JSONResponse(body)
+        groups = [
+            protocol.PromptGroup(
+                ids=part.ids,
+                text=part.text,
+                n=part.sampling.n,
+                samples=results[part.sample.id] if part.sample else [],
+                score=results[part.score.id][0] if part.score else None,
+                logprobs=part.sampling.logprobs,
+            )
+            for part in parts
+        ]
+        return JSONResponse(protocol.completions_body(groups, echo=req.echo, **common))
 
-    async def _collect(self, handle: Handle, request: HTTPRequest):
-        """A request's results; None if its client disconnected first (it is aborted)."""
+    async def _collect(self, handles: list[Handle], request: HTTPRequest):
+        """Each request's results by its id; None if the client disconnected first (they are
+        aborted)."""
 
         async def results():
-            out = []
-            while (ev := await handle.events.get()) is not None:
-                if isinstance(ev, BaseException):
-                    raise _engine_error(ev)
-                out.append(ev)
+            out = {}
+            for handle in handles:
+                got = out.setdefault(handle.request.id, [])
+                while (ev := await handle.events.get()) is not None:
+                    if isinstance(ev, BaseException):
+                        raise _engine_error(ev)
+                    got.append(ev)
             return out
 
         waiting = asyncio.ensure_future(results())
@@ -260,7 +310,8 @@ class _Server:
                     task.cancel()
         if waiting in done:
             return waiting.result()
-        self.worker.abort(handle.request.id)
+        for handle in handles:
+            self.worker.abort(handle.request.id)
         if gone in done:
             return None
         raise self._timed_out()
@@ -314,6 +365,61 @@ class _Server:
             if not done:  # disconnected (the response task was cancelled) or timed out
                 self.worker.abort(r.id)
 
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.config.model_name}`",
+                code="model_not_found",
+                param="model",
+            )
+
+    def _tokenizer(self):
+        tok = self.engine.model.tokenizer
+        if tok is None:
+            raise APIError(400, "the served model has no tokenizer.json: send token ids")
+        return tok
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        """vLLM's `/tokenize`: a text (or chat) -> its token ids, as a completion (or chat
+        completion) would encode it."""
+        prompt, special, name = protocol.parse_tokenize(await self._body(request))
+        self._check_model(name)
+        tok = self._tokenizer()
+
+        def encode():
+            if isinstance(prompt, str):
+                return tok.encode(prompt, add_special_tokens=special)
+            return requests.encode(tok, prompt, None, "/tokenize")
+
+        try:
+            ids = await anyio.to_thread.run_sync(encode)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        body = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                "token_strs": None}  # fmt: skip
+        return JSONResponse(body)
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        """vLLM's `/detokenize`: token ids -> their text."""
+        ids, name = protocol.parse_detokenize(await self._body(request), self.engine.limits.vocab)
+        self._check_model(name)
+        tok = self._tokenizer()
+        return JSONResponse({"prompt": tok.decode(ids, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request: HTTPRequest) -> Response:
+        """The tokenizer's special tokens and chat template (what a client needs to tokenize
+        and template as the server does, without a copy of the tokenizer)."""
+        tok = self._tokenizer()
+        info = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **{k: tok.special_tokens.get(k) for k in ("bos_token", "eos_token", "pad_token",
+                                                        "unk_token")},
+            "chat_template": tok.chat_template_source,
+            "model_max_length": self.config.max_model_len,
+        }  # fmt: skip
+        return JSONResponse(info)
+
     async def models(self, request: HTTPRequest) -> Response:
         self._check_key(request)
         cfg = self.config
@@ -360,10 +466,12 @@ async def _disconnected(request: HTTPRequest) -> None:
         pass
 
 
-def build_app(engine, config: ServeConfig) -> Starlette:
+def build_app(engine, config: ServeConfig, scorer=None) -> Starlette:
     """The ASGI app serving `engine` (see the module docstring). The engine thread starts
-    with the app's lifespan and stops with it; nothing else may drive the engine meanwhile."""
-    server = _Server(engine, config)
+    with the app's lifespan and stops with it; nothing else may drive the engine meanwhile.
+    `scorer` (`scoring.scoring_engine`) scores echoed prompts; without one, `echo` with
+    `logprobs` is refused."""
+    server = _Server(engine, config, scorer)
 
     def counted(endpoint, name):
         async def route(request: HTTPRequest) -> Response:
@@ -381,6 +489,10 @@ def build_app(engine, config: ServeConfig) -> Starlette:
         Route("/v1/chat/completions", counted(server.chat, "chat"), methods=["POST"]),
         Route("/v1/completions", counted(server.completions, "completions"), methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        # At the root, as vLLM serves them (and without the API key, as vLLM's are).
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_route, methods=["GET"]),
     ]

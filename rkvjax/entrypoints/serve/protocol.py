@@ -22,6 +22,7 @@ from rkvjax.runtime.results import GenerationResult, StreamDelta
 
 STREAM_FIELDS = ("stream", "stream_options")
 STREAM_OPTIONS = ("include_usage",)
+ECHO_FIELDS = ("echo",)  # completions only
 
 
 MAX_MESSAGE_CHARS = 500
@@ -70,11 +71,12 @@ class CompletionRequest:
     """A checked request body."""
 
     kind: str  # "chat" or "completions"
-    prompt: Any  # messages (chat), text or token ids (completions)
+    prompts: list  # [messages] (chat); texts or token id lists (completions), one choice group each
     fields: dict[str, Any]  # the SamplingParams fields it gives
     model: str | None
     stream: bool
     include_usage: bool
+    echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
 
 
 def parse_request(raw: bytes, kind: str) -> CompletionRequest:
@@ -90,14 +92,95 @@ def parse_request(raw: bytes, kind: str) -> CompletionRequest:
         raise APIError(400, str(e)) from None
     if isinstance(body, dict):  # null means not given, as in OpenAI's API
         body = {k: v for k, v in body.items() if v is not None}
+    chat = kind == "chat"
+    extra = STREAM_FIELDS if chat else (*STREAM_FIELDS, *ECHO_FIELDS)
     try:
-        prompt, fields = openai_batch.parse_body(body, kind, where, extra=STREAM_FIELDS)
+        prompt, fields = openai_batch.parse_body(body, kind, where, extra=extra, many=not chat)
         stream, include_usage = _stream_fields(body, where)
         if "logprobs" in body and "logprobs" not in fields:  # `false` overrides a default
             fields["logprobs"] = None
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise ValueError(f"{where}: `echo` must be true or false, got {show(echo)}")
+        prompts = [prompt] if chat else prompt
+        if stream and (echo or len(prompts) > 1):
+            what = "`echo`" if echo else "a list of prompts"
+            raise ValueError(
+                f"{where}: {what} is served without `stream` only; send `stream: false`"
+            )
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    return CompletionRequest(kind, prompt, fields, body.get("model"), stream, include_usage)
+    return CompletionRequest(
+        kind, prompts, fields, body.get("model"), stream, include_usage, echo=echo
+    )
+
+
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens")
+DETOKENIZE_FIELDS = ("model", "tokens")
+
+
+def _json_object(raw: bytes, where: str, known: Sequence[str]) -> dict[str, Any]:
+    """A body that must be a JSON object of `known` fields (nulls count as absent)."""
+    try:
+        body = requests.load_json(raw, where)
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"{where}: the body is not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"{where}: the body is not valid JSON ({e.msg})") from None
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"{where}: the body must be a JSON object, got {show(body)}")
+    body = {k: v for k, v in body.items() if v is not None}
+    extra = [k for k in body if k not in known]
+    if extra:
+        raise APIError(
+            400,
+            f"{where}: field(s) {', '.join(map(repr, extra))} not supported (supported: "
+            f"{', '.join(known)})",
+        )
+    if "model" in body and not isinstance(body["model"], str):
+        raise APIError(400, f"{where}: `model` must be a string, got {show(body['model'])}")
+    return body
+
+
+def parse_tokenize(raw: bytes) -> tuple[Any, bool, str | None]:
+    """A `/tokenize` body (vLLM's shape) -> (text or chat, add_special_tokens, model)."""
+    where = "/tokenize"
+    body = _json_object(raw, where, TOKENIZE_FIELDS)
+    given = [k for k in ("prompt", "messages") if k in body]
+    if len(given) != 1:
+        raise APIError(400, f"{where}: give one of `prompt` (text) or `messages` (a chat)")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise APIError(
+            400, f"{where}: `add_special_tokens` must be true or false, got {show(special)}"
+        )
+    try:
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise ValueError(f"{where}: `prompt` must be a string, got {show(prompt)}")
+            requests.check_unicode(prompt, f"{where}: `prompt`")
+        else:
+            prompt = requests.joined_parts(body["messages"], where, field="messages")
+            requests.check_messages(prompt, where, field="messages")
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return prompt, special, body.get("model")
+
+
+def parse_detokenize(raw: bytes, vocab: int) -> tuple[list[int], str | None]:
+    """A `/detokenize` body -> (token ids, model)."""
+    where = "/detokenize"
+    body = _json_object(raw, where, DETOKENIZE_FIELDS)
+    ids = body.get("tokens")
+    if not openai_batch.is_ids(ids):
+        raise APIError(400, f"{where}: `tokens` must be a list of token ids, got {show(ids)}")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"{where}: `tokens` holds id(s) {bad[:5]} outside [0, {vocab})")
+    return ids, body.get("model")
 
 
 def _stream_fields(body: Mapping[str, Any], where: str) -> tuple[bool, bool]:
@@ -158,6 +241,86 @@ def response_body(
     for c in body["choices"]:
         c["rkvjax"] = rkvjax_stats(by_index[c["index"]])
     return body
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptGroup:
+    """One prompt of a completions request and what it got: its samples (none for an echo
+    with max_tokens 0) and, for an echo with logprobs, the scoring of its tokens."""
+
+    ids: list[int]
+    text: str  # the echoed prompt ("" without echo)
+    n: int
+    samples: Sequence[GenerationResult]
+    score: Any  # ScoreResult of ids[1:] after ids[0], or None
+    logprobs: int | None
+
+
+def completions_body(
+    groups: Sequence[PromptGroup],
+    *,
+    echo: bool,
+    body_id: str,
+    model_name: str,
+    created: int,
+    token_text: Callable[[int], str],
+) -> dict[str, Any]:
+    """A text_completion object for several prompts or an echo: prompt p's samples are choices
+    p * n ... p * n + n - 1, as OpenAI orders them. With echo each choice's text starts with
+    its prompt, and with logprobs its `logprobs` cover the prompt's tokens first (the first
+    token's null: nothing comes before it), then the generated ones."""
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for p, g in enumerate(groups):
+        prompt_tokens += len(g.ids)
+        by_index = {r.sample_index: r for r in g.samples}
+        for i in range(g.n):
+            r = by_index.get(i)
+            if r is None:  # an echo with max_tokens 0: the prompt alone
+                c = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
+                if g.logprobs is not None:
+                    c["logprobs"] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}  # fmt: skip
+            else:
+                c = openai_batch.choice(sample_record(r), chat=False, token_text=token_text)
+                c["rkvjax"] = rkvjax_stats(r)
+                completion_tokens += len(r.token_ids)
+            if echo:
+                c["text"] = g.text + c["text"]
+                if c["logprobs"] is not None:
+                    c["logprobs"] = _echoed_logprobs(g, c["logprobs"], token_text)
+            c["index"] = p * g.n + i
+            choices.append(c)
+    return {
+        "id": body_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model_name,
+        "choices": choices,
+        "usage": openai_batch.usage(prompt_tokens, completion_tokens),
+    }
+
+
+def _echoed_logprobs(g: PromptGroup, generated: dict, token_text) -> dict:
+    """A choice's completion logprobs with the prompt's tokens before the generated ones."""
+    tokens = [token_text(t) for t in g.ids]
+    lps: list = [None]
+    tops: list = [None]
+    if g.score is not None:
+        lps += [float(x) for x in g.score.logprobs]
+        n = g.score.top_ids.shape[1] if g.score.top_ids is not None else 0
+        for ids, vals in zip(g.score.top_ids[:, :n], g.score.top_logprobs[:, :n], strict=True):
+            tops.append({token_text(int(t)): float(v) for t, v in zip(ids, vals, strict=True)})
+    tokens += generated["tokens"]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps + list(generated["token_logprobs"]),
+        "top_logprobs": tops + list(generated["top_logprobs"]),
+        "text_offset": offsets,
+    }
 
 
 class ChunkWriter:

@@ -14,7 +14,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from rkvjax import api, runtime
-from rkvjax.entrypoints.serve import DEFAULT_MAX_LOGPROBS, DEFAULT_SERVE_SLOTS, SHUTDOWN_TIMEOUT_S
+from rkvjax.entrypoints.serve import (
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_SERVE_SLOTS,
+    SHUTDOWN_TIMEOUT_S,
+    scoring,
+)
 from rkvjax.entrypoints.serve.app import ServeConfig, build_app
 from rkvjax.runtime import sizing
 from rkvjax.sampling.params import SamplingParams
@@ -163,7 +168,7 @@ def serve(
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="[rkvjax] %(message)s", stream=sys.stderr)
-    app = build_app(engine, config)
+    app = build_app(engine, config, scorer=scoring.scoring_engine(engine, config.max_model_len))
     state = app.state.server
 
     class Server(uvicorn.Server):

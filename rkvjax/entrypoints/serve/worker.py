@@ -64,16 +64,21 @@ class EngineWorker:
       loop: the event loop whose handlers wait on the requests' events.
       metrics: told on the engine thread of every finished sample (`observe(result)`) and
         of the numbers after every round (`tick(snapshot)`).
+      scorer: a scoring engine (`Engine(teacher=True)`) for requests with a continuation (an
+        echoed prompt's log-probabilities), stepped on the same thread between the served
+        engine's rounds; its programs compile at its first request.
     """
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, metrics=None):
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, metrics=None, scorer=None):
         self.engine = engine
+        self.scorer = scorer
         self.loop = loop
         self.snapshot = Snapshot(slots=engine.slots)
         self._metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[Any, Handle] = {}  # the engine thread's own
         self._left: dict[Any, int] = {}  # samples of each request not finished
+        self._runs: dict[Any, Any] = {}  # the engine each request runs on
         # Guards the two marks below against a submit racing the engine thread's end.
         self._lock = threading.Lock()
         self._closed: BaseException | None = None  # why submits are answered at once
@@ -134,18 +139,19 @@ class EngineWorker:
     # -- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
+        engines = [e for e in (self.engine, self.scorer) if e is not None]
         try:
-            while self._take_inbox(block=not engine.has_work):
+            while self._take_inbox(block=not any(e.has_work for e in engines)):
                 # What the inbox brought counts as waiting in the engine now (and an abort
                 # may have left it idle).
                 self._update_snapshot()
-                if not engine.has_work:
-                    continue
-                finished = engine.step()
-                # The numbers first: a client that got this round's events reads them.
-                self._update_snapshot()
-                self._publish(engine.take_deltas(), finished)
+                for engine in engines:  # a round of each, so neither waits on the other
+                    if not engine.has_work:
+                        continue
+                    finished = engine.step()
+                    # The numbers first: a client that got this round's events reads them.
+                    self._update_snapshot()
+                    self._publish(engine.take_deltas(), finished)
         except BaseException as e:  # the server answers 500 from now on and says why
             log.exception("the engine thread failed")
             self.error = e
@@ -191,8 +197,11 @@ class EngineWorker:
 
     def _submit(self, handle: Handle) -> None:
         r = handle.request
+        engine = self.engine if r.continuation is None else self.scorer
         try:
-            self.engine.submit_many([r], stream=handle.stream)
+            if engine is None:
+                raise ValueError("this server scores no continuations (it has no scorer)")
+            engine.submit_many([r], stream=handle.stream)
         except ValueError as e:  # checked when prepared; an id in use is the one way here
             self._send(handle, [e, None])
             return
@@ -201,11 +210,12 @@ class EngineWorker:
             raise
         self._handles[r.id] = handle
         self._left[r.id] = r.sampling.n
+        self._runs[r.id] = engine
 
     def _abort(self, request_id: Any) -> None:
         if self._handles.pop(request_id, None) is not None:
             del self._left[request_id]
-            self.engine.abort(request_id)
+            self._runs.pop(request_id).abort(request_id)
 
     def _publish(self, deltas: list[StreamDelta], finished: list[GenerationResult]) -> None:
         """Hands each request its events of this round, in one call per request."""
@@ -215,7 +225,7 @@ class EngineWorker:
             if h is not None:
                 out[h].append(d)
         for r in finished:
-            if self._metrics is not None:
+            if self._metrics is not None and isinstance(r, GenerationResult):
                 self._metrics.observe(r)
             h = self._handles.get(r.request_id)
             if h is None:
@@ -226,6 +236,7 @@ class EngineWorker:
             if not self._left[r.request_id]:
                 out[h].append(None)
                 del self._handles[r.request_id], self._left[r.request_id]
+                del self._runs[r.request_id]
         for h, events in out.items():
             self._send(h, events)
 
