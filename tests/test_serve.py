@@ -329,7 +329,7 @@ def test_echo_scores_the_prompt_under_the_served_cache(server, smol):
     ids = smol.tokenizer.encode(_LONG)[:100]
     assert len(ids) == 100
     body = {"model": NAME, "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True,
-            "temperature": 0}  # fmt: skip
+            "temperature": 0, "prompt_logprobs": 2}  # fmt: skip
     status, reply = server.post("/v1/completions", json.dumps(body).encode())
     assert status == 200, reply
     (choice,) = reply["choices"]
@@ -345,6 +345,13 @@ def test_echo_scores_the_prompt_under_the_served_cache(server, smol):
     assert [next(iter(t)) for t in lp["top_logprobs"][budget:100]] == _token_texts(smol, want.top1)
     assert lp["text_offset"][:3] == [0, len(lp["tokens"][0]), len("".join(lp["tokens"][:2]))]
     assert reply["usage"] == {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}
+    # vLLM's prompt_logprobs: the same numbers keyed by token id, with ranks.
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == 100 and plp[0] is None
+    for t in range(1, 100):
+        mine = plp[t][str(ids[t])]
+        assert mine["logprob"] == lp["token_logprobs"][t] and mine["rank"] >= 1
+        assert {1, 2} <= {v["rank"] for v in plp[t].values()}  # the two most likely
 
 
 def test_an_echo_under_fullkv_is_the_forward_pass(smol):
@@ -363,6 +370,8 @@ def test_an_echo_under_fullkv_is_the_forward_pass(smol):
     np.testing.assert_allclose(got.logprobs, logp[np.arange(79), ids[1:]], atol=1e-4)
     np.testing.assert_array_equal(got.top_ids, np.argsort(-logp, axis=-1)[:, :2])
     np.testing.assert_allclose(got.top_logprobs, np.sort(logp, axis=-1)[:, ::-1][:, :2], atol=1e-4)
+    mine = logp[np.arange(79), ids[1:]]
+    np.testing.assert_array_equal(got.ranks, 1 + (logp > mine[:, None]).sum(-1))
 
 
 def test_a_list_of_prompts_and_chat_text_parts_equal_each_alone(server, smol):
@@ -460,6 +469,10 @@ BAD_REQUESTS = {
     "logprobs above the limit with echo": (
         "/v1/completions", {"prompt": "hi there", "echo": True, "logprobs": 99}, {}, 400),
     "tokenize a number": ("/tokenize", {"prompt": 5}, {}, 400),
+    "negative prompt_logprobs": (
+        "/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, {}, 400),
+    "prompt_logprobs above the limit": (
+        "/v1/completions", {"prompt": "hi there", "prompt_logprobs": 21}, {}, 400),
 }  # fmt: skip
 
 

@@ -152,6 +152,7 @@ class OutputProcessor:
             s.top_logprobs.append(out.top_logprobs[b, :n, :want])
         if out.top1.shape[1]:
             s.top1 += out.top1[b, :n].tolist()
+            s.ranks += out.rank[b, :n].tolist()
         if out.dists.shape[1]:
             s.dists.append(out.dists[b, :n])
         if cut is not None:
@@ -195,6 +196,7 @@ class OutputProcessor:
             return ScoreResult(
                 logprobs=np.asarray(s.logprobs, np.float32),
                 top1=np.asarray(s.top1, np.int32),
+                ranks=np.asarray(s.ranks, np.int32),
                 dists=np.concatenate(s.dists) if s.dists else None,
                 compressions=s.compressions,
                 peak_cache_slots=s.peak,

@@ -186,6 +186,7 @@ class Tokens:
     top_ids: jax.Array  # [B, T, N] int32 the N most likely tokens ([B, 0, 0] without logprobs)
     top_logprobs: jax.Array  # [B, T, N] f32
     top1: jax.Array  # [B, T] int32 teacher mode: the argmax prediction ([B, 0] otherwise)
+    rank: jax.Array  # [B, T] int32 teacher mode: the given token's rank, 1 = most likely
     dists: jax.Array  # [B, T, V] f32 teacher mode with keep_dists ([B, 0, 0] otherwise)
     # Rows' state at the end, for the requests that finished.
     active: jax.Array  # [B] bool
@@ -426,8 +427,8 @@ def _choose(logits, s_sampling, num, block_ids, given, counts, seen, plan: Plan)
 
     Returns:
       (token [B] int32, logprob [B] or None, top (ids, logprobs) [B, N] or None, top1 [B] or
-      None, dist [B, V] or None). Logprobs are of the raw logits, before penalties and
-      temperature (what `score` reports and vLLM returns by default).
+      None, rank [B] or None, dist [B, V] or None). Logprobs are of the raw logits, before
+      penalties and temperature (what `score` reports and vLLM returns by default).
     """
     if plan.teacher:
         tok = jnp.take_along_axis(given, jnp.minimum(num, given.shape[1] - 1)[:, None], axis=1)
@@ -435,11 +436,12 @@ def _choose(logits, s_sampling, num, block_ids, given, counts, seen, plan: Plan)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
         chosen = jnp.take_along_axis(logp, tok[:, None], axis=1)[:, 0]
         top1 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)  # [B]
         top = None
         if plan.sampler.logprobs:  # the most likely tokens too (a server's echoed prompt)
             top_lp, top_ids = jax.lax.top_k(logp, plan.sampler.logprobs)  # [B, N]
             top = (top_ids.astype(jnp.int32), top_lp)
-        return tok, chosen, top, top1, logp if plan.keep_dists else None
+        return tok, chosen, top, top1, rank, logp if plan.keep_dists else None
     keys = token_keys(s_sampling.seed, s_sampling.sample_index, num)
     blocked = _block(logits.astype(jnp.float32), block_ids, num < s_sampling.min_tokens)
     tok = sample_rows(
@@ -452,9 +454,9 @@ def _choose(logits, s_sampling, num, block_ids, given, counts, seen, plan: Plan)
         row_blocks=plan.sampler.row_blocks,
     )
     if plan.sampler.logprobs is None:
-        return tok, None, None, None, None
+        return tok, None, None, None, None, None
     chosen, top_ids, top_lp = token_logprobs(logits, tok, plan.sampler.logprobs)
-    return tok, chosen, (top_ids, top_lp), None, None
+    return tok, chosen, (top_ids, top_lp), None, None, None
 
 
 def _empty_tokens(b: int, t: int, v: int, lanes: int, kept_shape, plan: Plan) -> Tokens:
@@ -468,6 +470,7 @@ def _empty_tokens(b: int, t: int, v: int, lanes: int, kept_shape, plan: Plan) ->
         top_ids=jnp.zeros((b, t, n) if n else (b, 0, 0), jnp.int32),
         top_logprobs=jnp.zeros((b, t, n) if n else (b, 0, 0), jnp.float32),
         top1=jnp.zeros((b, t if plan.teacher else 0), jnp.int32),
+        rank=jnp.zeros((b, t if plan.teacher else 0), jnp.int32),
         dists=jnp.zeros((b, t, v) if plan.keep_dists else (b, 0, 0), jnp.float32),
         active=jnp.zeros((b,), bool),
         compressions=jnp.zeros((b,), jnp.int32),
@@ -486,10 +489,10 @@ def _empty_tokens(b: int, t: int, v: int, lanes: int, kept_shape, plan: Plan) ->
 
 
 # The [B, ...] outputs of Tokens, written per row each step.
-_ROW_OUT = ("tokens", "count", "logprob", "top_ids", "top_logprobs", "top1", "dists")
+_ROW_OUT = ("tokens", "count", "logprob", "top_ids", "top_logprobs", "top1", "rank", "dists")
 
 
-def _emit(bufs: dict, col, go, tok, logp, top, top1, dist) -> dict:
+def _emit(bufs: dict, col, go, tok, logp, top, top1, rank, dist) -> dict:
     """Writes this step's outputs of the rows in `go` at their column `col` [B] of the
     `_ROW_OUT` buffers."""
     b, t = bufs["tokens"].shape
@@ -508,6 +511,7 @@ def _emit(bufs: dict, col, go, tok, logp, top, top1, dist) -> dict:
         top_ids=put(bufs["top_ids"], None if top is None else top[0]),
         top_logprobs=put(bufs["top_logprobs"], None if top is None else top[1]),
         top1=put(bufs["top1"], top1),
+        rank=put(bufs["rank"], rank),
         dists=put(bufs["dists"], dist),
     )
 
@@ -529,10 +533,10 @@ def _next_tokens(logits, s_sampling, num, block_ids, given, counts, seen, go, co
 
     def body(logits, s_sampling, num, block_ids, given, counts, seen, go, col, bufs):
         with jax.named_scope("sample"):
-            tok, logp, top, top1, dist = _choose(
+            tok, logp, top, top1, rank, dist = _choose(
                 logits, s_sampling, num, block_ids, given, counts, seen, plan
             )
-            bufs = _emit(bufs, col, go, tok, logp, top, top1, dist)
+            bufs = _emit(bufs, col, go, tok, logp, top, top1, rank, dist)
             return tok, _count(counts, tok, go, plan), bufs
 
     args = (logits, s_sampling, num, block_ids, given, counts, seen, go, col, bufs)

@@ -92,6 +92,7 @@ class ScoreResult:
     # likely tokens at each step, most likely first ([T, N]; None otherwise).
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None  # [T] int32 each scored token's rank (1: the argmax)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ class Sample:
     top_ids: list[np.ndarray] = dataclasses.field(default_factory=list)  # [n, N] per chunk
     top_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)  # [n, N]
     top1: list[int] = dataclasses.field(default_factory=list)
+    ranks: list[int] = dataclasses.field(default_factory=list)
     dists: list[np.ndarray] = dataclasses.field(default_factory=list)
     kept: list[np.ndarray] = dataclasses.field(default_factory=list)
     compressions: int = 0

@@ -216,12 +216,21 @@ class _Server:
             )
         sample = engine.prepare(ids, sampling, request_id=request_id, where=where)
         score = None
-        if req.echo and sampling.logprobs is not None and len(ids) > 1:
+        asked = [sampling.logprobs if req.echo else None, req.prompt_logprobs]
+        asked = [n for n in asked if n is not None]
+        if asked and len(ids) > 1:
             if self.scorer is None:
-                raise ValueError(f"{where}: this server scores no prompts (`echo` with `logprobs`)")
-            score = scoring.prompt_request(
-                self.scorer, ids, sampling.logprobs, f"{request_id}-prompt"
-            )
+                raise ValueError(
+                    f"{where}: this server scores no prompts (`echo` with `logprobs`, "
+                    "`prompt_logprobs`)"
+                )
+            most = engine.limits.logprobs or 0
+            if (req.prompt_logprobs or 0) > most:
+                raise ValueError(
+                    f"{where}: prompt_logprobs={req.prompt_logprobs} exceeds the server's "
+                    f"--max-logprobs {most}"
+                )
+            score = scoring.prompt_request(self.scorer, ids, max(asked), f"{request_id}-prompt")
         text = ""
         if req.echo:
             text = prompt if isinstance(prompt, str) else tok.decode(ids) if tok else ""
@@ -266,7 +275,7 @@ class _Server:
             created=int(time.time()),
             token_text=self._token_text,
         )
-        if len(parts) == 1 and not req.echo:
+        if len(parts) == 1 and not req.echo and req.prompt_logprobs is None:
             body = protocol.response_body(results[parts[0].sample.id], kind=kind, **common)
             return JSONResponse(body)
         groups = [
@@ -277,6 +286,7 @@ class _Server:
                 samples=results[part.sample.id] if part.sample else [],
                 score=results[part.score.id][0] if part.score else None,
                 logprobs=part.sampling.logprobs,
+                prompt_logprobs=req.prompt_logprobs,
             )
             for part in parts
         ]

@@ -22,7 +22,7 @@ from rkvjax.runtime.results import GenerationResult, StreamDelta
 
 STREAM_FIELDS = ("stream", "stream_options")
 STREAM_OPTIONS = ("include_usage",)
-ECHO_FIELDS = ("echo",)  # completions only
+ECHO_FIELDS = ("echo", "prompt_logprobs")  # completions only
 
 
 MAX_MESSAGE_CHARS = 500
@@ -77,6 +77,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool = False  # completions: the prompt leads each choice's text (and logprobs)
+    prompt_logprobs: int | None = None  # completions: vLLM's per-prompt-token log-probabilities
 
 
 def parse_request(raw: bytes, kind: str) -> CompletionRequest:
@@ -102,16 +103,34 @@ def parse_request(raw: bytes, kind: str) -> CompletionRequest:
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise ValueError(f"{where}: `echo` must be true or false, got {show(echo)}")
+        prompt_lp = body.get("prompt_logprobs")
+        if prompt_lp is not None and (
+            isinstance(prompt_lp, bool) or not isinstance(prompt_lp, int) or prompt_lp < 0
+        ):
+            raise ValueError(
+                f"{where}: `prompt_logprobs` must be an int >= 0 (the most likely tokens to "
+                f"list beside each prompt token), got {show(prompt_lp)}"
+            )
         prompts = [prompt] if chat else prompt
-        if stream and (echo or len(prompts) > 1):
-            what = "`echo`" if echo else "a list of prompts"
+        if stream and (echo or prompt_lp is not None or len(prompts) > 1):
+            what = (
+                "`echo`" if echo else "`prompt_logprobs`" if prompt_lp is not None
+                else "a list of prompts"
+            )  # fmt: skip
             raise ValueError(
                 f"{where}: {what} is served without `stream` only; send `stream: false`"
             )
     except ValueError as e:
         raise APIError(400, str(e)) from None
     return CompletionRequest(
-        kind, prompts, fields, body.get("model"), stream, include_usage, echo=echo
+        kind,
+        prompts,
+        fields,
+        body.get("model"),
+        stream,
+        include_usage,
+        echo=echo,
+        prompt_logprobs=prompt_lp,
     )
 
 
@@ -254,6 +273,7 @@ class PromptGroup:
     samples: Sequence[GenerationResult]
     score: Any  # ScoreResult of ids[1:] after ids[0], or None
     logprobs: int | None
+    prompt_logprobs: int | None = None
 
 
 def completions_body(
@@ -288,6 +308,8 @@ def completions_body(
                 c["text"] = g.text + c["text"]
                 if c["logprobs"] is not None:
                     c["logprobs"] = _echoed_logprobs(g, c["logprobs"], token_text)
+            if g.prompt_logprobs is not None:
+                c["prompt_logprobs"] = _prompt_logprobs(g, token_text)
             c["index"] = p * g.n + i
             choices.append(c)
     return {
@@ -298,6 +320,26 @@ def completions_body(
         "choices": choices,
         "usage": openai_batch.usage(prompt_tokens, completion_tokens),
     }
+
+
+def _prompt_logprobs(g: PromptGroup, token_text) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token (the first: null) its id's logprob, rank
+    and text, and the `prompt_logprobs` most likely tokens', keyed by token id."""
+    out: list = [None]
+    if g.score is None:
+        return out
+    k = g.prompt_logprobs
+    for t, lp, rank, ids, vals in zip(
+        g.ids[1:], g.score.logprobs, g.score.ranks, g.score.top_ids, g.score.top_logprobs,
+        strict=True,
+    ):  # fmt: skip
+        entry = {str(t): {"logprob": float(lp), "rank": int(rank), "decoded_token": token_text(t)}}
+        for r, (i, v) in enumerate(zip(ids[:k], vals[:k], strict=True), 1):
+            entry.setdefault(
+                str(int(i)), {"logprob": float(v), "rank": r, "decoded_token": token_text(int(i))}
+            )
+        out.append(entry)
+    return out
 
 
 def _echoed_logprobs(g: PromptGroup, generated: dict, token_text) -> dict:
