@@ -552,6 +552,38 @@ def test_engine_request_ids_and_prompt_lists(llama):
     assert [r.request_id for r in eng.run()] == [5]
 
 
+class _CountingIds(dict):
+    """The engine's live requests, counting the ids any pass over them visits."""
+
+    visited = 0
+
+    def __iter__(self):
+        for k in super().__iter__():
+            _CountingIds.visited += 1
+            yield k
+
+    def keys(self):
+        return list(iter(self))
+
+
+def test_admission_does_not_grow_with_the_queue(llama):
+    """A `submit` visits none of the queued requests' ids (it tests membership): with 4,096
+    requests queued it does what it does with 16. Counted, not timed."""
+    eng = rkvjax.Engine(llama, slots=2, cache=compression_config("rkv", BUDGET, buffer=BUFFER))
+    eng._live = _CountingIds(eng._live)
+    prompt = _prompt(10, 1)
+    visits = {}
+    for queued in range(4097):
+        if queued in (16, 4096):
+            before = _CountingIds.visited
+            eng.submit(prompt, _greedy(2))
+            visits[queued] = _CountingIds.visited - before
+        else:
+            eng.submit(prompt, _greedy(2))
+    assert visits == {16: 0, 4096: 0}, visits
+    assert len(eng.scheduler.queue) == 4097
+
+
 # -- the executor: transfers, compile time, profiles ------------------------------------------
 
 

@@ -349,7 +349,9 @@ class Engine:
             p.id if isinstance(p, requests.Request) else rid
             for p, rid in zip(prompts, ids, strict=True)
         ]
-        taken = set(self._live) | {rid for rid in given if _hashable(rid) and rid is not None}
+        # Membership tests only, never a copy of the live ids: admission costs the same
+        # whatever the queue holds.
+        named = {rid for rid in given if _hashable(rid) and rid is not None}
         made, indices, ids_made = [], [], set()
         for prompt, sp, rid, cont, subset, name in zip(
             prompts, params, ids, conts, subsets, names, strict=True
@@ -357,10 +359,10 @@ class Engine:
             if isinstance(prompt, requests.Request):
                 rid = prompt.id
             elif rid is None:
-                while self._next_id in taken:
+                while self._next_id in self._live or self._next_id in named:
                     self._next_id += 1
                 rid = self._next_id
-                taken.add(rid)
+                named.add(rid)
             if not _hashable(rid):
                 raise ValueError(
                     f"request id {rid!r} is not hashable: use a str, an int or a tuple of them"
