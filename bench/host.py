@@ -13,6 +13,8 @@ at temperature 0.7 / top-p 0.95 with ignore_eos, R-KV budget + buffer) through o
   plain     nothing but the tokens
   stop      a stop string on every request (never found: the host checks every token)
   logprobs  the 5 most likely tokens' logprobs with every token
+  arrivals  requests as a server admits them: one `submit` each, prompts of 8 to 40 tokens
+            (the others submit all at once with `submit_many`, prompts of `--prompt` tokens)
 
 `host_us_per_token` is the headline; `host_ms_per_chunk` puts it against the device's time for a
 16-step chunk at that batch: `chunk_budget_ms` is an estimate for an H200 decoding
@@ -31,7 +33,8 @@ import rkvjax
 from bench import common
 from rkvjax import runtime
 
-VARIANTS = ("plain", "stop", "logprobs")
+VARIANTS = ("plain", "stop", "logprobs", "arrivals")
+ARRIVAL_PROMPTS = (8, 40)  # prompt tokens of the arrivals variant, drawn per request
 TINY = dict(slots=[8, 16], max_tokens=8, repeats=1, default_model_slots=[])
 PREFER_MEMORY = True
 STOP = "\u2603 never \u2603"  # a stop string no sampled text holds: checked, never found
@@ -69,13 +72,20 @@ def _params(variant: str, max_tokens: int, seed: int) -> rkvjax.SamplingParams:
 def run_once(model, slots: int, variant: str, args) -> dict:
     """One run of 2 x slots requests; the main thread's CPU time and the run's counters."""
     n = 2 * slots
-    prompts = [common.random_ids(model, args.prompt, seed=i) for i in range(n)]
+    lo, hi = ARRIVAL_PROMPTS
+    lengths = [lo + i * 7919 % (hi - lo + 1) if variant == "arrivals" else args.prompt
+               for i in range(n)]  # fmt: skip
+    prompts = [common.random_ids(model, k, seed=i) for i, k in enumerate(lengths)]
     params = [_params(variant, args.max_tokens, i) for i in range(n)]
     cc = rkvjax.compression_config("rkv", args.budget, buffer=args.buffer)
     eng = rkvjax.Engine(model, slots=slots, cache=cc, logprobs=5 if variant == "logprobs" else None)
     gc.collect()  # each run starts from the same heap: the last run's garbage is not its cost
     cpu0, wall0 = time.thread_time(), time.perf_counter()
-    eng.submit_many(prompts, params)
+    if variant == "arrivals":
+        for p, sp in zip(prompts, params, strict=True):
+            eng.submit(p, sp)
+    else:
+        eng.submit_many(prompts, params)
     results = eng.run()
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
     st = eng.stats
