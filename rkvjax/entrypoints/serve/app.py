@@ -318,10 +318,12 @@ class _Server:
             for task in (waiting, gone):
                 if not task.done():
                     task.cancel()
-        if waiting in done:
+        if waiting in done and waiting.exception() is None:
             return waiting.result()
-        for handle in handles:
+        for handle in handles:  # the others of a failed prompt too: nobody reads them
             self.worker.abort(handle.request.id)
+        if waiting in done:
+            return waiting.result()  # raises the prompt's error
         if gone in done:
             return None
         raise self._timed_out()
