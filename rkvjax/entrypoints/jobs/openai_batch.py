@@ -213,16 +213,21 @@ def completion_logprobs(
 ):
     """A completion choice's `logprobs`; `offset`: the text before these tokens (a stream)."""
     tokens = [token_text(t) for t in sample["token_ids"]]
-    offsets, at = [], offset
-    for tok in tokens:
-        offsets.append(at)
-        at += len(tok)
     return {
         "tokens": tokens,
         "token_logprobs": sample["logprobs"],
         "top_logprobs": [{token_text(i): v for i, v in top} for top in sample["top_logprobs"]],
-        "text_offset": offsets,
+        "text_offset": text_offsets(tokens, offset),
     }
+
+
+def text_offsets(tokens: Sequence[str], offset: int = 0) -> list[int]:
+    """Where each token's text starts in the text they make, after `offset` characters."""
+    offsets, at = [], offset
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return offsets
 
 
 def choice(sample: Mapping[str, Any], *, chat: bool, token_text: Callable[[int], str]):

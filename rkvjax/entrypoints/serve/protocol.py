@@ -83,16 +83,7 @@ class CompletionRequest:
 def parse_request(raw: bytes, kind: str) -> CompletionRequest:
     """A request's body (bytes) -> CompletionRequest; APIError 400 saying what is wrong."""
     where = "request"
-    try:
-        body = requests.load_json(raw, where)
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"{where}: the body is not UTF-8 text ({e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"{where}: the body is not valid JSON ({e.msg})") from None
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-    if isinstance(body, dict):  # null means not given, as in OpenAI's API
-        body = {k: v for k, v in body.items() if v is not None}
+    body = _load_body(raw, where)
     chat = kind == "chat"
     extra = STREAM_FIELDS if chat else (*STREAM_FIELDS, *ECHO_FIELDS)
     try:
@@ -138,8 +129,9 @@ TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens")
 DETOKENIZE_FIELDS = ("model", "tokens")
 
 
-def _json_object(raw: bytes, where: str, known: Sequence[str]) -> dict[str, Any]:
-    """A body that must be a JSON object of `known` fields (nulls count as absent)."""
+def _load_body(raw: bytes, where: str) -> Any:
+    """A request body decoded (APIError 400 saying why it cannot be); an object's nulls
+    dropped: null means not given, as in OpenAI's API."""
     try:
         body = requests.load_json(raw, where)
     except UnicodeDecodeError as e:
@@ -148,9 +140,16 @@ def _json_object(raw: bytes, where: str, known: Sequence[str]) -> dict[str, Any]
         raise APIError(400, f"{where}: the body is not valid JSON ({e.msg})") from None
     except ValueError as e:
         raise APIError(400, str(e)) from None
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if v is not None}
+    return body
+
+
+def _json_object(raw: bytes, where: str, known: Sequence[str]) -> dict[str, Any]:
+    """A body that must be a JSON object of `known` fields (nulls count as absent)."""
+    body = _load_body(raw, where)
     if not isinstance(body, dict):
         raise APIError(400, f"{where}: the body must be a JSON object, got {show(body)}")
-    body = {k: v for k, v in body.items() if v is not None}
     extra = [k for k in body if k not in known]
     if extra:
         raise APIError(
@@ -353,15 +352,11 @@ def _echoed_logprobs(g: PromptGroup, generated: dict, token_text) -> dict:
         for ids, vals in zip(g.score.top_ids[:, :n], g.score.top_logprobs[:, :n], strict=True):
             tops.append({token_text(int(t)): float(v) for t, v in zip(ids, vals, strict=True)})
     tokens += generated["tokens"]
-    offsets, at = [], 0
-    for tok in tokens:
-        offsets.append(at)
-        at += len(tok)
     return {
         "tokens": tokens,
         "token_logprobs": lps + list(generated["token_logprobs"]),
         "top_logprobs": tops + list(generated["top_logprobs"]),
-        "text_offset": offsets,
+        "text_offset": openai_batch.text_offsets(tokens),
     }
 
 

@@ -14,6 +14,7 @@ prefilled and compressed at once when longer than the budget.
 from __future__ import annotations
 
 from rkvjax import runtime
+from rkvjax.sampling.params import SamplingParams
 
 DEFAULT_SCORE_SLOTS = 8
 
@@ -42,8 +43,6 @@ def scoring_engine(
 def prompt_request(engine: runtime.Engine, ids: list[int], logprobs: int, request_id: str):
     """The request scoring `ids[1:]` after `ids[0]` on a scoring engine, with the `logprobs`
     most likely tokens at each position."""
-    from rkvjax.sampling.params import SamplingParams
-
     sampling = SamplingParams(
         temperature=0.0, max_tokens=len(ids) - 1, ignore_eos=True, seed=0, logprobs=logprobs
     )

@@ -78,7 +78,6 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[Any, Handle] = {}  # the engine thread's own
         self._left: dict[Any, int] = {}  # samples of each request not finished
-        self._runs: dict[Any, Any] = {}  # the engine each request runs on
         # Guards the two marks below against a submit racing the engine thread's end.
         self._lock = threading.Lock()
         self._closed: BaseException | None = None  # why submits are answered at once
@@ -197,7 +196,7 @@ class EngineWorker:
 
     def _submit(self, handle: Handle) -> None:
         r = handle.request
-        engine = self.engine if r.continuation is None else self.scorer
+        engine = self._engine_of(r)
         try:
             if engine is None:
                 raise ValueError("this server scores no continuations (it has no scorer)")
@@ -210,12 +209,16 @@ class EngineWorker:
             raise
         self._handles[r.id] = handle
         self._left[r.id] = r.sampling.n
-        self._runs[r.id] = engine
+
+    def _engine_of(self, request: Request):
+        """The engine a request runs on: the scorer's for a continuation (None without one)."""
+        return self.engine if request.continuation is None else self.scorer
 
     def _abort(self, request_id: Any) -> None:
-        if self._handles.pop(request_id, None) is not None:
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
             del self._left[request_id]
-            self._runs.pop(request_id).abort(request_id)
+            self._engine_of(handle.request).abort(request_id)
 
     def _publish(self, deltas: list[StreamDelta], finished: list[GenerationResult]) -> None:
         """Hands each request its events of this round, in one call per request."""
@@ -236,7 +239,6 @@ class EngineWorker:
             if not self._left[r.request_id]:
                 out[h].append(None)
                 del self._handles[r.request_id], self._left[r.request_id]
-                del self._runs[r.request_id]
         for h, events in out.items():
             self._send(h, events)
 
