@@ -17,7 +17,7 @@ import rkvjax
 from rkvjax.kv.config import compression_config
 from rkvjax.runtime import programs
 from rkvjax.sampling.params import SamplingParams
-from rkvjax.text.detokenize import TextStream, find_stop
+from rkvjax.text.detokenize import StopWatcher, TextStream, find_stop
 from tests.test_policy import _load, _prompt
 
 # -- the default model: streaming ---------------------------------------------------------------
@@ -169,7 +169,7 @@ def _stop_token(tokenizer, ids: list[int], stop: list[str]) -> int | None:
 
 
 @pytest.mark.slow
-def test_streamed_stop_strings_are_never_handed_out(smol, reference):
+def test_streamed_stop_strings_are_never_handed_out(smol, reference, monkeypatch):
     """Stop strings taken from the greedy story: a word that ends with its token, a word less
     its last letter (it ends inside a token whose text runs past it), a single character, and
     words that the first chunk ends one character short of. Streamed, each sample's deltas
@@ -205,7 +205,12 @@ def test_streamed_stop_strings_are_never_handed_out(smol, reference):
     }
     reqs = {rid: (STORY, _greedy(64, logprobs=2, stop=s), True) for rid, s in stops.items()}
     eng = _smol_engine(smol)
+    decoders = []  # incremental decoders made: one per streamed sample, stop strings or not
+    make = tok.stream
+    monkeypatch.setattr(tok, "stream", lambda: decoders.append(1) or make())
     _submit(eng, {rid: r for rid, r in reqs.items() if rid != "edge"})
+    assert len(decoders) == 3
+    monkeypatch.undo()
     run = _drive(eng)
     # Alone in its engine, so that no row waits for a compression lane and the first chunk
     # makes 16 tokens.
@@ -314,11 +319,21 @@ def test_text_stream_holds_back_what_a_stop_string_may_cut(smol):
         end = _stop_token(tok, ids, stop) or len(ids) + 1
         hold = max(map(len, stop)) - 1
         ts, out = TextStream(tok, stop), ""
+        # A streamed sample with stop strings: one decoder, the watcher's, feeds its text.
+        watcher, shared = (
+            StopWatcher(tok, stop, keep_text=True),
+            TextStream(tok, stop, decode=False),
+        )
         for n in range(1, end):
-            out += ts.push([ids[n - 1]])
+            piece = ts.push([ids[n - 1]])
+            out += piece
             assert final.startswith(out), (stop, n, out)
             assert len(out) >= len(tok.decode(ids[:n]).rstrip("\ufffd")) - hold, (stop, n)
+            assert watcher.push([ids[n - 1]]) is None, (stop, n)
+            assert shared.push_text(watcher.text) == piece, (stop, n)
         assert out + ts.rest(final) == final
+        if end <= len(ids):
+            assert watcher.push([ids[end - 1]]) == end, stop
 
 
 # -- a tiny random model: aborting ----------------------------------------------------------------

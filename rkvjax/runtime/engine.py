@@ -391,8 +391,10 @@ class Engine:
 
     def _sample(self, r: requests.Request, index: int, now: float, comp: float, stream: bool):
         tok, stop = self.model.tokenizer, r.sampling.stop
-        watcher = StopWatcher(tok, stop) if stop else None
-        text = TextStream(tok, stop) if stream else None
+        # One incremental decoder per sample: a streamed sample with stop strings takes its
+        # text from the stop watcher, which decodes every token anyway.
+        watcher = StopWatcher(tok, stop, keep_text=stream) if stop else None
+        text = TextStream(tok, stop, decode=watcher is None) if stream else None
         return Sample(r, index, now, comp, watcher, text)
 
     def abort(self, request_id: Any) -> int:

@@ -142,7 +142,7 @@ class OutputProcessor:
             s.peak, s.stalls = int(out.peak_at[b, n - 1]), int(out.stalls_at[b, n - 1])
         s.tokens += new
         if s.text is not None and cut is None:  # else its last delta takes the result's text
-            s.unsent += s.text.push(new)
+            s.unsent += s.text.push(new) if s.watcher is None else s.text.push_text(s.watcher.text)
         want = s.request.sampling.logprobs
         # Every row's logprobs come back once one request asks; kept for those that use them.
         if out.logprob.shape[1] and (want is not None or s.request.continuation is not None):

@@ -24,32 +24,42 @@ class StopWatcher:
     Args:
       tokenizer: the model's `Tokenizer` (its `stream()`).
       stop: non-empty stop strings.
+      keep_text: also keep the text each `push` decoded (`text`), for a streamed sample's
+        `TextStream`, so that its tokens are decoded once, not once per reader.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str]):
+    def __init__(self, tokenizer, stop: Sequence[str], *, keep_text: bool = False):
         self._step = tokenizer.stream()
         self._stop = tuple(stop)
         self._keep = max(map(len, self._stop)) - 1  # a stop string may start this far back
         self._tail = ""  # the text's last characters: all a new stop string can overlap
         self._count = 0  # tokens pushed
+        self._keep_text = keep_text
+        self.text = ""  # with keep_text: what the last `push` decoded, up to a stop string
 
     def push(self, ids: Sequence[int]) -> int | None:
         """Appends tokens (Python ints); returns how many of all tokens pushed so far end at the
         first stop string (that token included), or None while no stop string has appeared."""
         step, stop, keep = self._step, self._stop, self._keep
         tail, count = self._tail, self._count
+        pieces = [] if self._keep_text else None
         for t in ids:  # the host's hottest loop with stop strings on: kept to the bone
             count += 1
             text = step(t)
             if not text:
                 continue  # no complete character yet
+            if pieces is not None:
+                pieces.append(text)
             tail += text
             if stop[0] in tail or (len(stop) > 1 and any(s in tail for s in stop)):
                 self._count = count
+                self.text = "".join(pieces) if pieces is not None else ""
                 return count
             if len(tail) > keep:
                 tail = tail[len(tail) - keep :] if keep else ""
         self._tail, self._count = tail, count
+        if pieces is not None:
+            self.text = "".join(pieces)
         return None
 
 
@@ -70,10 +80,12 @@ class TextStream:
     Args:
       tokenizer: the model's `Tokenizer`.
       stop: the request's stop strings.
+      decode: decode the tokens itself (`push`); False when the text comes decoded from the
+        sample's `StopWatcher` (`push_text`).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self._step = tokenizer.stream()
+    def __init__(self, tokenizer, stop: Sequence[str] = (), *, decode: bool = True):
+        self._step = tokenizer.stream() if decode else None
         self._clean_up = tokenizer.clean_up if tokenizer.cleans_up else None
         self._hold = max(map(len, stop)) - 1 if stop else 0
         self._pending = ""  # decoded, not handed out
@@ -81,8 +93,11 @@ class TextStream:
 
     def push(self, ids: Sequence[int]) -> str:
         """Appends tokens (Python ints); returns the text that may be handed out now."""
-        step = self._step
-        raw = self._pending + "".join(t for t in map(step, ids) if t)
+        return self.push_text("".join(t for t in map(self._step, ids) if t))
+
+    def push_text(self, text: str) -> str:
+        """Appends the text the next tokens decoded to; returns what may be handed out now."""
+        raw = self._pending + text
         cut = len(raw) - self._hold
         # Backing off to a space can put another within reach (" ' " ends with one).
         while self._clean_up is not None and cut > 0:
