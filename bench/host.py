@@ -6,15 +6,20 @@ model at a large batch in tens of milliseconds, so the host must do its part for
 less than that, or the host sets the speed. This suite measures that part directly: the main
 thread's CPU time (`time.thread_time`, which leaves out XLA's own threads, where a CPU device
 computes) over a whole run, after a warm-up run that compiled every program, divided by the
-tokens decoded. Each setting runs `requests` = 2 x slots requests of `max_tokens` tokens (sampled
-at temperature 0.7 / top-p 0.95 with ignore_eos, R-KV budget + buffer) through one
-`rkvjax.Engine`, in variants:
+tokens decoded. Each setting runs `requests` = 2 x slots (deep: 16 x) requests of `max_tokens`
+tokens (sampled at temperature 0.7 / top-p 0.95 with ignore_eos, R-KV budget + buffer) through
+one `rkvjax.Engine`, in variants:
 
-  plain     nothing but the tokens
-  stop      a stop string on every request (never found: the host checks every token)
-  logprobs  the 5 most likely tokens' logprobs with every token
-  arrivals  requests as a server admits them: one `submit` each, prompts of 8 to 40 tokens
-            (the others submit all at once with `submit_many`, prompts of `--prompt` tokens)
+  plain          nothing but the tokens
+  stop           a stop string on every request (never found: the host checks every token)
+  logprobs       the 5 most likely tokens' logprobs with every token
+  arrivals       requests as a server admits them: one `submit` each, prompts of 8 to 40
+                 tokens (the ones above submit all at once with `submit_many`, prompts of
+                 `--prompt` tokens)
+  arrivals-stop  arrivals, each with a stop string
+  stream         arrivals-stop, streamed: the deltas (new tokens and text) taken after every
+                 round, as the server's engine thread does
+  deep           arrivals with 16 x slots requests queued instead of 2 x slots
 
 `host_us_per_token` is the headline; `host_ms_per_chunk` puts it against the device's time for a
 16-step chunk at that batch: `chunk_budget_ms` is an estimate for an H200 decoding
@@ -33,7 +38,9 @@ import rkvjax
 from bench import common
 from rkvjax import runtime
 
-VARIANTS = ("plain", "stop", "logprobs", "arrivals")
+VARIANTS = ("plain", "stop", "logprobs", "arrivals", "arrivals-stop", "stream", "deep")
+ONE_BY_ONE = ("arrivals", "arrivals-stop", "stream", "deep")  # one `submit` per request
+WITH_STOP = ("stop", "arrivals-stop", "stream")
 ARRIVAL_PROMPTS = (8, 40)  # prompt tokens of the arrivals variant, drawn per request
 TINY = dict(slots=[8, 16], max_tokens=8, repeats=1, default_model_slots=[])
 PREFER_MEMORY = True
@@ -61,7 +68,7 @@ def add_arguments(p) -> None:
 
 
 def _params(variant: str, max_tokens: int, seed: int) -> rkvjax.SamplingParams:
-    extra = {"stop": [STOP]} if variant == "stop" else {}
+    extra = {"stop": [STOP]} if variant in WITH_STOP else {}
     if variant == "logprobs":
         extra["logprobs"] = 5
     return rkvjax.SamplingParams(
@@ -69,11 +76,16 @@ def _params(variant: str, max_tokens: int, seed: int) -> rkvjax.SamplingParams:
     )
 
 
+def requests_of(slots: int, variant: str) -> int:
+    return (16 if variant == "deep" else 2) * slots
+
+
 def run_once(model, slots: int, variant: str, args) -> dict:
-    """One run of 2 x slots requests; the main thread's CPU time and the run's counters."""
-    n = 2 * slots
+    """One run of the variant's requests; the main thread's CPU time and the run's counters."""
+    n = requests_of(slots, variant)
     lo, hi = ARRIVAL_PROMPTS
-    lengths = [lo + i * 7919 % (hi - lo + 1) if variant == "arrivals" else args.prompt
+    one_by_one = variant in ONE_BY_ONE
+    lengths = [lo + i * 7919 % (hi - lo + 1) if one_by_one else args.prompt
                for i in range(n)]  # fmt: skip
     prompts = [common.random_ids(model, k, seed=i) for i, k in enumerate(lengths)]
     params = [_params(variant, args.max_tokens, i) for i in range(n)]
@@ -81,12 +93,18 @@ def run_once(model, slots: int, variant: str, args) -> dict:
     eng = rkvjax.Engine(model, slots=slots, cache=cc, logprobs=5 if variant == "logprobs" else None)
     gc.collect()  # each run starts from the same heap: the last run's garbage is not its cost
     cpu0, wall0 = time.thread_time(), time.perf_counter()
-    if variant == "arrivals":
+    if one_by_one:
         for p, sp in zip(prompts, params, strict=True):
-            eng.submit(p, sp)
+            eng.submit(p, sp, stream=variant == "stream")
     else:
         eng.submit_many(prompts, params)
-    results = eng.run()
+    if variant == "stream":
+        results = []
+        while eng.has_work:
+            results += eng.step()
+            eng.take_deltas()
+    else:
+        results = eng.run()
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
     st = eng.stats
     tokens = sum(len(r.token_ids) for r in results)
@@ -124,7 +142,7 @@ def run(args, folder) -> list[dict]:
                 "bench": "host",
                 "slots": slots,
                 "variant": variant,
-                "requests": 2 * slots,
+                "requests": requests_of(slots, variant),
                 "max_tokens": args.max_tokens,
                 "tokens": tokens,
                 "host_cpu_s": [r["host_cpu_s"] for r in runs],
@@ -146,7 +164,7 @@ def run(args, folder) -> list[dict]:
 def table(rows: list[dict]) -> str:
     r = rows[0]
     head = (
-        f"Main-thread CPU time per decoded token: 2 x slots requests of {r['max_tokens']} "
+        f"Main-thread CPU time per decoded token: requests of {r['max_tokens']} "
         "tokens each (T=0.7, top-p 0.95, R-KV), median of the timed runs after a warm-up. "
         "The chunk budget is an estimate of an H200's time for a 16-step chunk of "
         "R1-Distill-Qwen-1.5B's shape at that batch."
@@ -155,6 +173,7 @@ def table(rows: list[dict]) -> str:
         ("model", "model", "s"),
         ("slots", "slots", "d"),
         ("variant", "variant", "s"),
+        ("requests", "requests", ",d"),
         ("host us / token", "host_us_per_token", ".2f"),
         ("host ms / 16-step chunk", "host_ms_per_chunk", ".1f"),
         ("chunk budget ms (est.)", "chunk_budget_ms", ".0f"),

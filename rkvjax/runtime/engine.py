@@ -295,9 +295,10 @@ class Engine:
         Raises:
           ValueError: naming the request, for anything this engine cannot run as asked.
         """
-        return self.submit_many(
-            [prompt], [sampling], ids=[request_id], continuations=[continuation], stream=stream
-        )[0]
+        # One prompt by definition: straight to the queue, without `submit_many`'s sorting of
+        # what a list holds (a server admits requests one by one, so this is its hot path).
+        one = [None]
+        return self._queue([prompt], [sampling], [request_id], [continuation], one, one, stream)[0]
 
     def submit_many(
         self,
@@ -345,13 +346,18 @@ class Engine:
                 f"name each (got {len(params)}, {len(ids)}, {len(conts)}, {len(subsets)} and "
                 f"{len(names)})"
             )
-        given = [
+        return self._queue(prompts, params, ids, conts, subsets, names, stream)
+
+    def _queue(self, prompts, params, ids, conts, subsets, names, stream: bool) -> list:
+        """Prepares (where not prepared yet), checks and queues prompts with their settings,
+        one list entry per prompt (`submit_many`'s arguments, split); all or none."""
+        # Ids the caller chose, which running numbers skip. Membership tests only, never a copy
+        # of the live ids: admission costs the same whatever the queue holds.
+        given = (
             p.id if isinstance(p, requests.Request) else rid
             for p, rid in zip(prompts, ids, strict=True)
-        ]
-        # Membership tests only, never a copy of the live ids: admission costs the same
-        # whatever the queue holds.
-        named = {rid for rid in given if _hashable(rid) and rid is not None}
+        )
+        named = {rid for rid in given if rid is not None and _hashable(rid)}
         made, indices, ids_made = [], [], set()
         for prompt, sp, rid, cont, subset, name in zip(
             prompts, params, ids, conts, subsets, names, strict=True
@@ -374,19 +380,22 @@ class Engine:
                 prompt = self.prepare(prompt, sp, request_id=rid, continuation=cont, where=name)
             made.append(prompt)
             indices.append(_sample_indices(subset, prompt.sampling.n, rid))
-        seeds = _draw_seeds(sum(r.sampling.seed is None for r in made))
-        now, comp = time.perf_counter(), self.executor.compile.seconds
         if stream and any(r.continuation is not None for r in made):
             raise ValueError("a scoring request (a continuation) cannot stream")
         if stream and self.model.tokenizer is None:
             raise ValueError("streaming needs the model's tokenizer (for the text)")
+        unseeded = sum(r.sampling.seed is None for r in made)
+        seeds = _draw_seeds(unseeded) if unseeded else []
+        now, comp = time.perf_counter(), self.executor.compile.seconds
+        live, samples = self._live, 0
         for r, idx in zip(made, indices, strict=True):
             if r.sampling.seed is None:
                 r = dataclasses.replace(r, sampling=r.sampling.replace(seed=seeds.pop()))
             self.scheduler.add([self._sample(r, j, now, comp, stream) for j in idx])
-        self._counters["submitted"] += n
-        self._counters["samples"] += sum(map(len, indices))
-        self._live.update((r.id, len(idx)) for r, idx in zip(made, indices, strict=True))
+            live[r.id] = len(idx)
+            samples += len(idx)
+        self._counters["submitted"] += len(made)
+        self._counters["samples"] += samples
         return [r.id for r in made]
 
     def _sample(self, r: requests.Request, index: int, now: float, comp: float, stream: bool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import numbers
 from collections.abc import Mapping, Sequence
@@ -133,13 +134,21 @@ def prepare(
         check_unicode(text, f"{where}: stop string")
     for t in sp.stop_token_ids:
         token_id(t, limits.vocab, f"{where}: stop_token_ids")
-    block = sp.min_tokens_stop_ids(limits.eos)
+    stopping, block = _stop_sets(sp.stop_token_ids, sp.ignore_eos, limits.eos)
     if len(block) > limits.stop_width:
         raise ValueError(
             f"{where}: {len(block)} stop token ids (end-of-sequence included) exceed this "
             f"engine's stop_width={limits.stop_width}"
         )
-    return Request(request_id, tuple(ids), sp, None, sp.stopping_token_ids(limits.eos), block)
+    return Request(request_id, tuple(ids), sp, None, stopping, block)
+
+
+@functools.lru_cache(maxsize=256)
+def _stop_sets(stop_token_ids: tuple[int, ...], ignore_eos: bool, eos: tuple[int, ...]):
+    """(the ids that end a sample, the ids min_tokens blocks): requests mostly share them, and
+    a server admits one at a time."""
+    sp = SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    return sp.stopping_token_ids(eos), sp.min_tokens_stop_ids(eos)
 
 
 def bucket(n: int, limit: int) -> int:
@@ -379,6 +388,8 @@ def encode(tokenizer, prompt, chat: bool | None, where: str = "prompt") -> list[
       ValueError: for anything else (an empty text, invalid Unicode, a malformed chat or one
         the template refuses), naming `where`.
     """
+    if type(prompt) is list and all(type(t) is int for t in prompt):  # a server's, cheaply
+        return prompt.copy()
     if _is_ids(prompt):
         return [int(t) for t in prompt]
     if not isinstance(prompt, str) and not _is_chat(prompt):
