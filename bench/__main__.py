@@ -44,6 +44,7 @@ SUITES = (
     "kernels",
     "load",
     "serve",
+    "start",
     "invariance",
     "reasoner",
 )

@@ -414,9 +414,12 @@ def server_command(args, model, port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], port: int, log: Path) -> Iterator[Server]:
-    """Starts the server (its compiles logged), yields it, then stops it with SIGTERM."""
-    env = {**os.environ, "JAX_LOG_COMPILES": "1"}
+def running_server(
+    cmd: list[str], port: int, log: Path, env: dict | None = None
+) -> Iterator[Server]:
+    """Starts the server (its compiles logged; `env` default: this process's), yields it, then
+    stops it with SIGTERM."""
+    env = {**(os.environ if env is None else env), "JAX_LOG_COMPILES": "1"}
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
@@ -647,7 +650,7 @@ def measure(args, folder) -> list[dict]:
                 "server": lambda w, c: drive_server(srv, w, c, args.level_timeout),
             }
             t0 = time.perf_counter()
-            serve.warm_up(engine)  # what `rkvjax serve` runs before it listens
+            serve.warm_up(engine, background=False)  # what `rkvjax serve` runs, all of it
             warm_up_levels(drivers["engine"], work, args)
             say(f"engine warmed up in {time.perf_counter() - t0:.0f} s")
             wait_ready(srv, args.start_timeout)

@@ -1062,12 +1062,19 @@ def test_an_int8_server_sizes_its_rows_from_the_8_bit_bytes(tiny_checkpoint, mon
     assert slots == {None: 8, "int8": 16}
 
 
+def _tree_nbytes(tree) -> int:
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
 def test_a_warm_up_stays_within_the_peak_its_slots_were_sized_for(tiny_checkpoint, monkeypatch):
     """A server's default slots keep PEAK_ROWS x its state within the memory share, and its
-    warm-up (every width, narrowing, widening, a prefill and an insert) never holds more: the
-    arrays alive after each program, donated ones gone, measured against it, the outputs of
-    one chunk (a few bytes per row and step) allowed besides. (It once held two full states
-    at a time, and a default server was killed for memory.)"""
+    warm-up (every width compiled, the state allocated, the warm-up prompt prefilled beside
+    it) never holds more: the arrays alive after each program, donated ones gone, measured
+    against it, a prefilled group's logits and flags (a few bytes per row) allowed besides. (A
+    warm-up once held two full states at a time, and a default server was killed for
+    memory.)"""
     import jax
 
     import rkvjax
@@ -1101,16 +1108,23 @@ def test_a_warm_up_stays_within_the_peak_its_slots_were_sized_for(tiny_checkpoin
             if isinstance(out, tuple):  # (state, Tokens): a chunk's or an insert's outputs
                 tokens = sum(x.nbytes for x in jax.tree.leaves(out[1]))
                 outputs[0] = max(outputs[0], tokens)
+            if isinstance(out, programs.Prefilled):  # a waiting group's logits and flags
+                rest = sum(x.nbytes for x in jax.tree.leaves(out)) - _tree_nbytes(out.cache)
+                outputs[0] = max(outputs[0], rest)
             return out
 
+        run.lower = program.lower  # the warm-up compiles ahead of time
         return run
 
     for name in ("init_state", "prefill", "insert", "decode", "release", "take_rows", "put_rows"):
         monkeypatch.setattr(programs, name, measured(getattr(programs, name)))
     before = live()
-    serve.warm_up(engine)
-    assert engine.stats.narrowings == 0  # counters start afresh after it
-    assert state < peak[0] - before <= server.PEAK_ROWS * state + outputs[0]
+    serve.warm_up(engine, background=False)
+    with engine.executor.running():
+        engine.executor.ensure_state()  # made on another thread: the first round takes it
+    jax.block_until_ready(engine.executor.state)
+    assert engine.stats.narrowings == 0 and engine.executor.compile.programs > 0
+    assert state <= max(peak[0], live()) - before <= server.PEAK_ROWS * state + outputs[0]
 
 
 def test_a_list_of_prompts_answers_each_in_order_and_echo_leads_with_the_prompt():

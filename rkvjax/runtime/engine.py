@@ -593,27 +593,34 @@ class Engine:
             compile_s=st.compile_s,
         )
 
-    def warm_widths(self, prompt=None) -> list[int]:
-        """Compiles the programs of every width the state may narrow or widen to (run on
-        empty rows: decode chunk, release, row moves, and one prompt's insert), so that a
-        server's requests never wait on one when its load changes. Without `narrow_tail`
-        there is one width. Only on an engine that never ran a request.
+    def warm_widths(self, prompt=None, *, narrow: bool = True) -> list[int]:
+        """Compiles, ahead of time and without running them, the programs of every width the
+        state may narrow or widen to (empty state, decode chunk, release, row moves, and one
+        prompt's insert), so that a server's requests never wait on one when its load
+        changes. Without `narrow_tail` there is one width. The live state is not touched: it
+        may run on another thread while this engine serves (a server compiles the full width
+        first and the narrower ones behind its first requests).
 
         Args:
           prompt: what a request's prompt may be (text, token ids or a chat); its prefill
             (one prompt-length bucket) is compiled too. Default: 16 token ids.
+          narrow: False: the full width only.
 
         Returns:
           The widths, in rows.
         """
-        if self.scheduler.has_work or self._events or self._t0 is not None:
-            raise RuntimeError("warm_widths runs on an engine that never ran a request")
         ids = list(range(1, 17)) if prompt is None else prompt
         request = self.prepare(ids, SamplingParams(temperature=0.0, max_tokens=1))
         with self.executor.running():
             return self.executor.warm_widths(
-                request.prompt_token_ids, narrow=self.scheduler.cfg.narrow_tail
+                request.prompt_token_ids, narrow=narrow and self.scheduler.cfg.narrow_tail
             )
+
+    def allocate(self) -> None:
+        """Starts making the empty state now, on another thread, instead of at the first
+        request: a server's first touch of the memory its rows hold (seconds for gigabytes on
+        a CPU) then overlaps the rest of its start; the first round waits for it if need be."""
+        self.executor.start_state()
 
     def reset_stats(self) -> None:
         """Starts the counters of `stats` afresh (a server after its warm-up); compiled

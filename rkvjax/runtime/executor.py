@@ -13,8 +13,10 @@ two runtimes in one process each report their own compile time.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -124,6 +126,7 @@ class Executor:
         self.compile = programs.CompileLog()
         self.transfers: collections.Counter[str] = collections.Counter()  # host-to-device calls
         self._groups: dict[int, programs.Prefilled] = {}
+        self._pending: concurrent.futures.Future | None = None  # a state `start_state` makes
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -163,8 +166,28 @@ class Executor:
 
     def ensure_state(self) -> None:
         if self.state is None:
-            self.state = self.empty_state()
+            pending, self._pending = self._pending, None
+            self.state = pending.result() if pending is not None else self.empty_state()
             self.width = self.slots
+
+    def start_state(self) -> None:
+        """Makes the empty full-width state on another thread; `ensure_state` takes it (waiting
+        for it if need be). A CPU device fills a new state's memory on the calling thread,
+        page by page (14 s for 5.7 GiB here), so a server that is otherwise ready need not
+        wait for it before it answers."""
+        if self.state is not None or self._pending is not None:
+            return
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def make() -> None:
+            try:
+                with self.running():
+                    future.set_result(self.empty_state())
+            except BaseException as e:  # raised again where the state is first needed
+                future.set_exception(e)
+
+        self._pending = future
+        threading.Thread(target=make, name="rkvjax-state", daemon=True).start()
 
     # -- plans --------------------------------------------------------------------------------
 
@@ -178,6 +201,34 @@ class Executor:
     def insert(self, step: Insert) -> Inserted:
         """Prefills the step's group when it is new, then scatters the group's rows into the
         state: every host array of the two in one transfer."""
+        host, where = self._insert_host(step)
+        dev = self.put(host, where, "insert")
+        if step.prefill is not None:
+            self._groups[step.group] = self._prefill(dev)
+        group = self._groups[step.group]
+        if step.last_use:
+            del self._groups[step.group]
+        self.state, first = programs.insert(
+            self.state, group, dev["src"], dev["dst"], dev["new"], plan=self.plan_of(step.width)
+        )
+        record = self.plan.record_kept and self.plan.compression.compressing
+        out = Inserted(first, group.kept if record else None)
+        _start_copies(out)
+        return out
+
+    def _prefill(self, dev: dict[str, Any]) -> programs.Prefilled:
+        return programs.prefill(
+            self.decoder,
+            dev["tokens"],
+            dev["positions"],
+            dev["seeds"],
+            capacity=self.capacity,
+            plan=self.plan,
+        )
+
+    def _insert_host(self, step: Insert) -> tuple[dict[str, Any], Any]:
+        """An insert's host arrays (its prefill's too, when the group is new) and where each
+        goes (None on one device)."""
         model = self.model
         host: dict[str, Any] = {
             "src": np.asarray(step.src, np.int32),
@@ -199,26 +250,7 @@ class Executor:
             for key in ("tokens", "positions", "seeds"):
                 if key in host:
                     where[key] = _row_sharding(model, host[key])
-        dev = self.put(host, where, "insert")
-        if step.prefill is not None:
-            self._groups[step.group] = programs.prefill(
-                self.decoder,
-                dev["tokens"],
-                dev["positions"],
-                dev["seeds"],
-                capacity=self.capacity,
-                plan=self.plan,
-            )
-        group = self._groups[step.group]
-        if step.last_use:
-            del self._groups[step.group]
-        self.state, first = programs.insert(
-            self.state, group, dev["src"], dev["dst"], dev["new"], plan=self.plan_of(step.width)
-        )
-        record = self.plan.record_kept and self.plan.compression.compressing
-        out = Inserted(first, group.kept if record else None)
-        _start_copies(out)
-        return out
+        return host, where
 
     def drop_group(self, group: int) -> None:
         """Forgets a prefilled group whose waiting samples were aborted."""
@@ -281,41 +313,71 @@ class Executor:
             self.state = programs.put_rows(wide, self.state, rows, plan=plan)
         self.width = resize.width
 
-    def _fresh(self, width: int) -> None:
-        """An empty state of `width` rows in place of the current one, which is dropped
-        first: two full states at once would double what the slots were sized for."""
-        self.state = None
-        self.state, self.width = self.empty_state(width), width
-
     def warm_widths(self, prompt: Sequence[int], *, narrow: bool = True) -> list[int]:
-        """Runs, on empty rows, the programs of every width the state can narrow or widen to:
-        the decode chunk, the release and one prompt's insert (as one arrival into a narrowed
-        batch; the prompt is prefilled once, and its row is the padding row, so nothing is
-        written) at each, and the row moves between each two, so that a change of load never
-        waits on a compilation (a server calls it at start); `narrow=False`: the full width
-        only. Returns the widths. Only before any request: the state is left empty at full
-        width."""
+        """Compiles, without running them, the programs of every width the state can narrow or
+        widen to: the empty state, the decode chunk, the release and one prompt's insert (as
+        one arrival into a narrowed batch) at each, and the row moves between each two, so that
+        a change of load never waits on a compilation (a server calls it at start);
+        `narrow=False`: the full width only. Returns the widths.
+
+        Nothing runs but the prompt's one-row prefill: every other program is lowered on the
+        state's shapes and compiled ahead of time, which puts it where the live call finds it
+        (with a warm compile cache, a load from disk). Running them instead would allocate and
+        move whole states of every width and decode chunks on empty rows: minutes for a
+        server whose rows hold long contexts. The live state is never touched, so it may run
+        on another thread while this one serves (JAX compiles thread-safely; a program the
+        live run needs first is compiled by whichever thread gets there first)."""
         d = self.model.data_shards
         per = self.slots // d
         # `Scheduler.narrow` and `_widen`: a power of two rows per data shard, or all of them.
         ladder = sorted({min(1 << k, per) for k in range(per.bit_length() + 1)})
         ladder = ladder if narrow else [per]
         prefill = Prefill(-1, (tuple(prompt),), requests.row_bucket(1, self.slots, d), (0,))
-        for i, w in enumerate(ladder):
-            self._fresh(w * d)
-            first = prefill if i == 0 else None
-            self.insert(Insert(-1, (0,), (w * d,), (), 1, w * d, first, i == len(ladder) - 1))
-            jax.block_until_ready(self.dispatch(self.slots + 1))
-            self.release([])
-            for narrow in (v for v in ladder if v < w):
-                self._fresh(w * d)
-                self.resize(Resize("narrow", narrow * d, tuple(range(narrow)) * d))
-                self._fresh(narrow * d)
-                self.resize(Resize("widen", w * d, tuple(range(narrow)) * d))
-                jax.block_until_ready(self.state)
-        jax.block_until_ready(self.state)
-        self._fresh(self.slots)
+        states = {w: self._compile_empty_state(w * d) for w in ladder}
+        group = None
+        # Plain transfers, not `put`: they are no run's, and may happen on another thread.
+        for w in ladder:
+            rows, plan = w * d, self.plan_of(w * d)
+            step = Insert(-1, (0,), (rows,), (), 1, rows, prefill if group is None else None, False)
+            dev = transfer(*self._insert_host(step))
+            if group is None:
+                group = self._prefill(dev)
+            programs.insert.lower(
+                states[w], group, dev["src"], dev["dst"], dev["new"], plan=plan
+            ).compile()
+            at = np.int32(self.slots + 1)
+            at = transfer(at, _whole(self.model, at))
+            programs.decode.lower(
+                self.decoder, states[w], steps=self.chunk, plan=plan, refill_at=at
+            ).compile()
+            mask = np.zeros(rows, bool)
+            mask = transfer(mask, _row_sharding(self.model, mask))
+            programs.release.lower(states[w], mask, plan=plan).compile()
+            for v in (v for v in ladder if v < w):
+                moved = np.asarray(tuple(range(v)) * d, np.int32)
+                moved = transfer(moved, _row_sharding(self.model, moved))
+                programs.take_rows.lower(states[w], moved, plan=self.plan_of(v * d)).compile()
+                programs.put_rows.lower(states[w], states[v], moved, plan=plan).compile()
         return [w * d for w in ladder]
+
+    def _compile_empty_state(self, width: int) -> Any:
+        """Compiles `empty_state(width)`'s program; returns the state's shapes, dtypes and
+        placements as the live one has them (ShapeDtypeStructs)."""
+        compiled = programs.init_state.lower(
+            self.decoder,
+            slots=width,
+            capacity=self.capacity,
+            stop_width=self.stop_width,
+            given_len=self.given_len,
+            plan=self.plan_of(width),
+        ).compile()
+        out = compiled.out_info
+        if self.model.mesh is None:  # `empty_state` commits it to the model's device
+            placed = jax.sharding.SingleDeviceSharding(self.model.device)
+            out = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), out
+            )
+        return out
 
     @staticmethod
     def fetch(tree: Any) -> Any:

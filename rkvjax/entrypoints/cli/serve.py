@@ -131,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"[rkvjax] {serve.memory_line(engine)}", file=sys.stderr)
     if not args.no_warmup:
         print(
-            "[rkvjax] compiling: the decode chunk at every batch width and a first prefill "
-            "(kept in the compile cache for the next start) ...",
+            "[rkvjax] compiling the programs of the full batch width (kept in the compile "
+            "cache for the next start; the narrower widths compile behind the first requests) "
+            "...",
             file=sys.stderr,
         )
         seconds = serve.warm_up(engine)

@@ -22,7 +22,8 @@ from rkvjax.entrypoints.serve import (
 )
 from rkvjax.entrypoints.serve.app import ServeConfig, build_app
 from rkvjax.runtime import sizing
-from rkvjax.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # A server's peak, in rows' worth of cache per slot: its state, and half as many rows again
 # while it narrows or widens (both states are live during the move) or while a prefilled group
@@ -120,23 +121,45 @@ UVICORN_MARGIN_S = 10  # uvicorn cuts what still runs this long after our own gr
 WARM_UP_PROMPT = "Say hello to the people of the world, in one short and friendly sentence."
 
 
-def warm_up(engine: runtime.Engine) -> float:
-    """Compiles the engine's programs, so that clients do not wait on them: at every width the
-    batch narrows to, the decode chunk, the row moves and one prompt's insert
-    (`Engine.warm_widths`), then a short request end to end. A prompt of another length
-    bucket, or several prompts arriving at once, still compile their prefill (and insert) on
-    first use. Starts the counters afresh. Returns the seconds it took."""
+def warm_up(engine: runtime.Engine, *, background: bool = True) -> float:
+    """Makes a server ready in seconds: compiles, without running them, the programs requests
+    need at the full batch width (the empty state, one prompt's prefill and insert, the decode
+    chunk, the release: `Engine.warm_widths`; with a warm compile cache each is a load from
+    disk), and starts allocating the state's memory, which then overlaps the rest of the
+    start. Nothing is decoded: running the programs on empty rows, as a start once did, cost
+    minutes when the rows hold long contexts. The programs of the narrower widths the batch
+    tail may shrink to, and the row moves between widths, compile on a background thread,
+    behind the first requests (until they are ready, a narrowing that needs one compiles
+    it), or before this returns (`background=False`: a benchmark's timed part must not share
+    the CPU with them). A prompt of another length bucket, or several prompts arriving at once,
+    compile their prefill (and insert) on first use. Returns the seconds it took."""
     t0 = time.perf_counter()
     tok = engine.model.tokenizer
     # At least a compression window's tokens, with or without a chat template.
     prompt = WARM_UP_PROMPT if tok is not None else list(range(1, 17))
-    engine.warm_widths(prompt)
-    engine.submit(
-        prompt, SamplingParams(temperature=0.0, max_tokens=engine.chunk + 1), request_id="warmup"
-    )
-    engine.run()
-    engine.reset_stats()
+    engine.warm_widths(prompt, narrow=False)
+    engine.allocate()
+    if not background:
+        engine.warm_widths(prompt)
+    elif engine.scheduler.cfg.narrow_tail:
+        threading.Thread(
+            target=_warm_narrower, args=(engine, prompt), name="rkvjax-warm-up", daemon=True
+        ).start()
     return time.perf_counter() - t0
+
+
+def _warm_narrower(engine: runtime.Engine, prompt) -> None:
+    t0 = time.perf_counter()
+    try:
+        widths = engine.warm_widths(prompt)
+    except Exception:  # a compile that fails here fails again, with its request, where it is used
+        log.exception("compiling the narrower batch widths failed")
+        return
+    print(
+        f"[rkvjax] compiled the programs of batch widths {', '.join(map(str, widths))} in "
+        f"{time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
 
 
 def bind(host: str, port: int) -> socket.socket:
