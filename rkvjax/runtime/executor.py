@@ -159,8 +159,7 @@ class Executor:
         )
         if self.model.mesh is None:
             # Committed to the model's device, as every state a program returns is: jit keys
-            # its programs on that too, so a program warmed on an empty state (`warm_widths`)
-            # serves the live one without compiling again.
+            # its programs on that too, and `warm_widths` compiles on that placement.
             state = jax.device_put(state, self.model.device)
         return state
 
@@ -187,7 +186,9 @@ class Executor:
                 future.set_exception(e)
 
         self._pending = future
-        threading.Thread(target=make, name="rkvjax-state", daemon=True).start()
+        # Not a daemon: a process that ends meanwhile waits for it rather than tearing JAX's
+        # backend down under a running program.
+        threading.Thread(target=make, name="rkvjax-state").start()
 
     # -- plans --------------------------------------------------------------------------------
 

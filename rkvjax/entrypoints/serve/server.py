@@ -143,7 +143,12 @@ def warm_up(engine: runtime.Engine, *, background: bool = True) -> float:
         engine.warm_widths(prompt)
     elif engine.scheduler.cfg.narrow_tail:
         threading.Thread(
-            target=_warm_narrower, args=(engine, prompt), name="rkvjax-warm-up", daemon=True
+            # Not a daemon: a process that ends while XLA compiles (JAX's exit handlers
+            # tearing the backend down under it) could crash instead of exiting cleanly.
+            target=_warm_narrower,
+            args=(engine, prompt),
+            name="rkvjax-warm-up",
+            daemon=False,
         ).start()
     return time.perf_counter() - t0
 
