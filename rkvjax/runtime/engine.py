@@ -623,7 +623,7 @@ class Engine:
         self.executor.start_state()
 
     def reset_stats(self) -> None:
-        """Starts the counters of `stats` afresh (a server after its warm-up); compiled
+        """Starts the counters of `stats` afresh (a benchmark between its rounds); compiled
         programs stay. Only between runs: nothing may wait or run."""
         if self.has_work:
             raise RuntimeError("reset_stats needs an idle engine: requests wait or run")

@@ -146,17 +146,20 @@ class Executor:
         lanes = max(1, min(self.plan.lanes, width // self.model.data_shards))
         return dataclasses.replace(self.plan, lanes=lanes)
 
-    def empty_state(self, width: int | None = None) -> programs.SlotState:
-        """Nothing in any row: every slot, or `width` rows of a narrowed run."""
-        width = self.slots if width is None else width
-        state = programs.init_state(
-            self.decoder,
+    def _state_options(self, width: int) -> dict[str, Any]:
+        """`programs.init_state`'s static arguments for a state of `width` rows."""
+        return dict(
             slots=width,
             capacity=self.capacity,
             stop_width=self.stop_width,
             given_len=self.given_len,
             plan=self.plan_of(width),
         )
+
+    def empty_state(self, width: int | None = None) -> programs.SlotState:
+        """Nothing in any row: every slot, or `width` rows of a narrowed run."""
+        width = self.slots if width is None else width
+        state = programs.init_state(self.decoder, **self._state_options(width))
         if self.model.mesh is None:
             # Committed to the model's device, as every state a program returns is: jit keys
             # its programs on that too, and `warm_widths` compiles on that placement.
@@ -364,15 +367,8 @@ class Executor:
     def _compile_empty_state(self, width: int) -> Any:
         """Compiles `empty_state(width)`'s program; returns the state's shapes, dtypes and
         placements as the live one has them (ShapeDtypeStructs)."""
-        compiled = programs.init_state.lower(
-            self.decoder,
-            slots=width,
-            capacity=self.capacity,
-            stop_width=self.stop_width,
-            given_len=self.given_len,
-            plan=self.plan_of(width),
-        ).compile()
-        out = compiled.out_info
+        lowered = programs.init_state.lower(self.decoder, **self._state_options(width))
+        out = lowered.compile().out_info
         if self.model.mesh is None:  # `empty_state` commits it to the model's device
             placed = jax.sharding.SingleDeviceSharding(self.model.device)
             out = jax.tree.map(
@@ -390,17 +386,8 @@ class Executor:
     def state_shapes(self) -> programs.SlotState:
         """The shapes, dtypes and shardings of the full-width state (nothing allocated)."""
         with on_mesh(self.model):
-            return jax.eval_shape(
-                lambda d: programs.init_state(
-                    d,
-                    slots=self.slots,
-                    capacity=self.capacity,
-                    stop_width=self.stop_width,
-                    given_len=self.given_len,
-                    plan=self.plan,
-                ),
-                self.decoder,
-            )
+            options = self._state_options(self.slots)
+            return jax.eval_shape(lambda d: programs.init_state(d, **options), self.decoder)
 
     def memory_analysis(self, *, prompt_len: int, prefill_rows: int, parts=("decode",)) -> dict:
         """Compile-only memory of the programs; see `Engine.memory_analysis`."""
