@@ -6,13 +6,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rkvjax.models.config import ModelConfig, RopeScaling
+from rkvjax.models.config import Experts, ModelConfig, RopeScaling
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+
+# A mixture of experts' keys, read for the MoE architectures only (elsewhere they are unknown).
+_MOE_KEYS = {
+    "num_experts",
+    "num_local_experts",  # transformers 5 writes the expert count under this name
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "mlp_only_layers",
+    "decoder_sparse_step",
+    "router_aux_loss_coef",  # training only
+    "output_router_logits",  # idem
+}
+_MOE_ARCHS = {"qwen3_moe"}
 
 # Keys that carry no architecture (training, serialisation; see also `_is_metadata`).
 _IGNORED = {
@@ -178,7 +193,7 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelCon
             f"{where}: architectures {archs} is not supported for model_type {arch!r} "
             f"(expected [{ARCHITECTURES[arch]!r}])"
         )
-    known = _IGNORED | _MUST_EQUAL.keys() | _HANDLED
+    known = _IGNORED | _MUST_EQUAL.keys() | _HANDLED | (_MOE_KEYS if arch in _MOE_ARCHS else set())
     unknown = {k for k in raw if k not in known and not _is_metadata(k)}
     if unknown:
         raise ConfigError(
@@ -200,6 +215,7 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelCon
     kv_heads = int(raw.get("num_key_value_heads") or q_heads)
     theta, scaling = _rope(raw, where)
     bias = bool(raw.get("attention_bias", False))
+    experts = _experts(raw, where) if arch in _MOE_ARCHS else None
     try:
         return ModelConfig(
             arch=arch,
@@ -217,11 +233,57 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelCon
             # Qwen2 always biases q/k/v (never o); Llama and Qwen3 bias all four via attention_bias.
             qkv_bias=True if arch == "qwen2" else bias,
             o_bias=False if arch == "qwen2" else bias,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            experts=experts,
         )
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from e
+
+
+def _int(raw: dict[str, Any], key: str, where: str, *, low: int) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{where}: `{key}` must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _experts(raw: dict[str, Any], where: str) -> Experts | None:
+    """Qwen3-MoE's experts: layer i is sparse unless listed in `mlp_only_layers`, when
+    `(i + 1) % decoder_sparse_step == 0` (transformers' rule); None without experts."""
+    count_keys = [k for k in ("num_experts", "num_local_experts") if raw.get(k) is not None]
+    if not count_keys:
+        raise ConfigError(f"{where}: a MoE config needs `num_experts`")
+    if len({raw[k] for k in count_keys}) > 1:
+        raise ConfigError(
+            f"{where}: `num_experts` = {raw['num_experts']!r} and `num_local_experts` = "
+            f"{raw['num_local_experts']!r} disagree; give the count once"
+        )
+    count = _int(raw, count_keys[0], where, low=0)
+    if count == 0:
+        return None  # transformers builds every layer dense
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if key not in raw:
+            raise ConfigError(f"{where}: a MoE config needs `{key}`")
+    top_k = _int(raw, "num_experts_per_tok", where, low=1)
+    if top_k > count:
+        raise ConfigError(f"{where}: `num_experts_per_tok` = {top_k} exceeds num_experts={count}")
+    layers = _int(raw, "num_hidden_layers", where, low=1)
+    step = _int({"s": raw.get("decoder_sparse_step", 1)}, "s", where, low=1)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense
+    ):
+        raise ConfigError(
+            f"{where}: `mlp_only_layers` must list layer indices in [0, {layers}), got {dense!r}"
+        )
+    return Experts(
+        count=count,
+        top_k=top_k,
+        ffw=_int(raw, "moe_intermediate_size", where, low=1),
+        norm_top_k=bool(raw.get("norm_topk_prob", False)),
+        layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def read_json_object(path: Path, error: type[ValueError] = ValueError) -> dict[str, Any]:

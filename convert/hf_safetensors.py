@@ -16,6 +16,7 @@ import struct
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -152,10 +153,14 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-# HF name -> (our state path, HF shape, transform into our layout). Several HF tensors may fill
-# one parameter: their transformed pieces are concatenated along axis 1, in table order.
-Rule = tuple[tuple, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
-PIECES_AXIS = 1
+# HF name -> (our state path, HF shape, transform into our layout, axis). Several HF tensors may
+# fill one parameter: their transformed pieces are concatenated along `axis`, in table order
+# (q, k and v along axis 1 of wqkv; a MoE layer's experts along axis 0 of its stacked weights).
+class Rule(NamedTuple):
+    path: tuple
+    shape: tuple[int, ...]
+    fn: Callable[[np.ndarray], np.ndarray]
+    axis: int = 1
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, Rule]:
@@ -167,37 +172,49 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, Rule]:
         return lambda w: w.reshape(shape)
 
     same = lambda w: w
+    one = lambda w: w[None]  # an expert's weight, one slice of the stacked [E, ...] weight
     # q, k and v fill wqkv [K, G + 2, H, D]: KV head j holds query heads j * G ... j * G + G - 1
     # (HF's grouping), then its key and value heads.
-    per_layer = {
-        "input_layernorm.weight": (("attn_norm",), (d,), same),
-        "post_attention_layernorm.weight": (("mlp_norm",), (d,), same),
-        "self_attn.q_proj.weight": (("attn", "wqkv"), (n * h, d), split(k, g, h, d)),
-        "self_attn.k_proj.weight": (("attn", "wqkv"), (k * h, d), split(k, 1, h, d)),
-        "self_attn.v_proj.weight": (("attn", "wqkv"), (k * h, d), split(k, 1, h, d)),
-        "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h), split(d, n, h)),
-        "mlp.gate_proj.weight": (("mlp", "gate"), (f, d), same),
-        "mlp.up_proj.weight": (("mlp", "up"), (f, d), same),
-        "mlp.down_proj.weight": (("mlp", "down"), (d, f), same),
+    attention = {
+        "input_layernorm.weight": Rule(("attn_norm",), (d,), same),
+        "post_attention_layernorm.weight": Rule(("mlp_norm",), (d,), same),
+        "self_attn.q_proj.weight": Rule(("attn", "wqkv"), (n * h, d), split(k, g, h, d)),
+        "self_attn.k_proj.weight": Rule(("attn", "wqkv"), (k * h, d), split(k, 1, h, d)),
+        "self_attn.v_proj.weight": Rule(("attn", "wqkv"), (k * h, d), split(k, 1, h, d)),
+        "self_attn.o_proj.weight": Rule(("attn", "wo"), (d, n * h), split(d, n, h)),
     }
     if cfg.qkv_bias:
-        per_layer["self_attn.q_proj.bias"] = (("attn", "bqkv"), (n * h,), split(k, g, h))
-        per_layer["self_attn.k_proj.bias"] = (("attn", "bqkv"), (k * h,), split(k, 1, h))
-        per_layer["self_attn.v_proj.bias"] = (("attn", "bqkv"), (k * h,), split(k, 1, h))
+        attention["self_attn.q_proj.bias"] = Rule(("attn", "bqkv"), (n * h,), split(k, g, h))
+        attention["self_attn.k_proj.bias"] = Rule(("attn", "bqkv"), (k * h,), split(k, 1, h))
+        attention["self_attn.v_proj.bias"] = Rule(("attn", "bqkv"), (k * h,), split(k, 1, h))
     if cfg.o_bias:
-        per_layer["self_attn.o_proj.bias"] = (("attn", "bo"), (d,), same)
+        attention["self_attn.o_proj.bias"] = Rule(("attn", "bo"), (d,), same)
     if cfg.qk_norm:
-        per_layer["self_attn.q_norm.weight"] = (("attn", "q_norm"), (h,), same)
-        per_layer["self_attn.k_norm.weight"] = (("attn", "k_norm"), (h,), same)
+        attention["self_attn.q_norm.weight"] = Rule(("attn", "q_norm"), (h,), same)
+        attention["self_attn.k_norm.weight"] = Rule(("attn", "k_norm"), (h,), same)
+    dense = {
+        "mlp.gate_proj.weight": Rule(("mlp", "gate"), (f, d), same),
+        "mlp.up_proj.weight": Rule(("mlp", "up"), (f, d), same),
+        "mlp.down_proj.weight": Rule(("mlp", "down"), (d, f), same),
+    }
+    sparse = {}
+    if cfg.experts is not None:
+        fe = cfg.experts.ffw
+        sparse["mlp.gate.weight"] = Rule(("mlp", "router"), (cfg.experts.count, d), same)
+        for e in range(cfg.experts.count):
+            for name, ours, shape in (("gate", "gate", (fe, d)), ("up", "up", (fe, d)),
+                                      ("down", "down", (d, fe))):  # fmt: skip
+                sparse[f"mlp.experts.{e}.{name}_proj.weight"] = Rule(("mlp", ours), shape, one, 0)
     rules: dict[str, Rule] = {
-        "model.embed_tokens.weight": (("embed",), (v, d), same),
-        "model.norm.weight": (("norm",), (d,), same),
+        "model.embed_tokens.weight": Rule(("embed",), (v, d), same),
+        "model.norm.weight": Rule(("norm",), (d,), same),
     }
     if not cfg.tie_embeddings:
-        rules["lm_head.weight"] = (("lm_head",), (v, d), same)
+        rules["lm_head.weight"] = Rule(("lm_head",), (v, d), same)
     for i in range(cfg.num_layers):
-        for name, (path, shape, fn) in per_layer.items():
-            rules[f"model.layers.{i}.{name}"] = (("layers", i, *path), shape, fn)
+        mlp = sparse if cfg.sparse(i) else dense
+        for name, rule in {**attention, **mlp}.items():
+            rules[f"model.layers.{i}.{name}"] = rule._replace(path=("layers", i, *rule.path))
     return rules
 
 
@@ -249,8 +266,8 @@ def load_weights(
     graphdef, spec = nnx.split(abstract_decoder(cfg, dtype))
     flat_spec = dict(nnx.to_flat_state(spec))
     values, pieces = {}, {}
-    wanted = Counter(path for path, _, _ in table.values())
-    for name, (path, hf_shape, fn) in table.items():
+    wanted = Counter(rule.path for rule in table.values())
+    for name, (path, hf_shape, fn, axis) in table.items():
         raw = tensors[name].get(name)
         if tuple(raw.shape) != hf_shape:
             raise CheckpointError(
@@ -261,7 +278,7 @@ def load_weights(
         if len(pieces[path]) < wanted[path]:
             continue
         parts = pieces.pop(path)
-        arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=PIECES_AXIS)
+        arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
         axes = flat_spec[path].get_metadata()["axes"]
         values[path] = flat_spec[path].replace(_place(arr, dtype, axes, mesh, rules))
     if values.keys() != flat_spec.keys():  # the rule table and the model must agree exactly
@@ -272,17 +289,17 @@ def load_weights(
 def hf_tensors(decoder: Decoder, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """The decoder's weights as a Hugging Face checkpoint's tensors, by name: the inverse of
     `load_weights`, read off the same rule table (a parameter several tensors fill is cut
-    along axis 1 in table order), so that a model trained here saves as a folder that
+    along its rule's axis in table order), so that a model trained here saves as a folder that
     `rkvjax.load` and transformers read back unchanged."""
     flat = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(decoder))}
     offsets: dict[tuple, int] = {}
     out = {}
-    for name, (path, hf_shape, fn) in expected_tensors(cfg).items():
+    for name, (path, hf_shape, fn, axis) in expected_tensors(cfg).items():
         arr = flat[path]
         width = fn(np.zeros(hf_shape, np.int8)).shape  # this tensor's piece in our layout
-        if width != arr.shape:  # one of several pieces along PIECES_AXIS
+        if width != arr.shape:  # one of several pieces along the rule's axis
             at = offsets.get(path, 0)
-            offsets[path] = at + width[PIECES_AXIS]
-            arr = np.take(arr, range(at, at + width[PIECES_AXIS]), axis=PIECES_AXIS)
+            offsets[path] = at + width[axis]
+            arr = np.take(arr, range(at, at + width[axis]), axis=axis)
         out[name] = np.ascontiguousarray(arr.reshape(hf_shape))
     return out

@@ -19,10 +19,26 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Architecture of one decoder-only model (Llama, Qwen2, Qwen3 families)."""
+class Experts:
+    """A mixture-of-experts MLP (Qwen3-MoE): a router picks `top_k` of `count` SwiGLU experts
+    per token, and the token's output is their outputs weighted by the router's softmax."""
 
-    arch: str  # "llama" | "qwen2" | "qwen3": only for messages; behaviour is in the flags below
+    count: int  # E
+    top_k: int  # k
+    ffw: int  # F: one expert's hidden size
+    norm_top_k: bool  # the chosen experts' weights renormalised to sum to one
+    layers: tuple[int, ...]  # the layers whose MLP is the experts; the others are dense (ffw)
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.count:
+            raise ValueError(f"top_k ({self.top_k}) must lie in [1, experts={self.count}]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of one decoder-only model (Llama, Qwen2, Qwen3, Qwen3-MoE families)."""
+
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe": for messages; behaviour is below
     vocab_size: int  # V
     embed: int  # D
     ffw: int  # F
@@ -38,12 +54,33 @@ class ModelConfig:
     o_bias: bool = False  # Llama `attention_bias` also biases o_proj
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_embeddings: bool = False
+    experts: Experts | None = None  # mixture-of-experts layers (None: every MLP dense)
 
     def __post_init__(self):
         if self.q_heads % self.kv_heads:
             raise ValueError(
                 f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})"
             )
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the experts."""
+        return self.experts is not None and layer in self.experts.layers
+
+    def parameters(self, *, active: bool = False) -> int:
+        """The weights' element count; with `active`, those one token uses (the router and its
+        top_k experts of each MoE layer, not all of them)."""
+        d, h, n, k = self.embed, self.head_dim, self.q_heads, self.kv_heads
+        attention = (n + 2 * k) * h * d + n * h * d + 2 * d  # q, k, v, o and the two norms
+        attention += (n + 2 * k) * h * self.qkv_bias + d * self.o_bias + 2 * h * self.qk_norm
+        total = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+        for layer in range(self.num_layers):
+            if self.sparse(layer):
+                e = self.experts
+                used = e.top_k if active else e.count
+                total += attention + e.count * d + used * 3 * d * e.ffw
+            else:
+                total += attention + 3 * d * self.ffw
+        return total
 
     @property
     def group(self) -> int:  # G: query heads per KV head
@@ -57,4 +94,7 @@ class ModelConfig:
         d = dict(d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if d.get("experts") is not None:
+            e = dict(d["experts"])
+            d["experts"] = Experts(**{**e, "layers": tuple(e["layers"])})
         return cls(**d)

@@ -1,4 +1,4 @@
-"""One Flax NNX decoder covering Llama, Qwen2 and Qwen3 (flags in ModelConfig).
+"""One Flax NNX decoder covering Llama, Qwen2, Qwen3 and Qwen3-MoE (flags in ModelConfig).
 
 The model knows nothing about caches: each attention layer hands its post-RoPE q/k/v to an
 `attend` callback supplied by the engine (causal attention over the prompt, or write-then-attend
@@ -16,13 +16,15 @@ weights: a bare chain of the default model's matmuls went from 14.5 to 20 steps/
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from rkvjax.models import layers
+from rkvjax.models import experts, layers, sharding
 from rkvjax.models.config import ModelConfig
 
 # attend(layer, q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], state) -> (out [B,T,N,H], state)
@@ -108,13 +110,59 @@ class MLP(nnx.Module):
         return layers.project("DF,FBT->DBT", self.down[...], jax.nn.silu(g) * u)
 
 
-class Block(nnx.Module):
+class MoE(nnx.Module):
+    """A mixture-of-experts MLP (`rkvjax.models.experts`): a router [E, D] and E SwiGLU experts
+    stacked, [E, F, D] and [E, D, F]. Each expert's hidden units are split over the mesh like a
+    dense MLP's, so the layer has the dense layer's one all-reduce."""
+
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        e, d, f = cfg.experts.count, cfg.embed, cfg.experts.ffw
+        self.cfg = cfg
+        self.router = _param(rngs, (e, d), ("experts", "embed"), dtype)
+        self.gate = _param(rngs, (e, f, d), ("experts", "expert_ffw", "embed"), dtype)
+        self.up = _param(rngs, (e, f, d), ("experts", "expert_ffw", "embed"), dtype)
+        self.down = _param(rngs, (e, d, f), ("experts", "embed", "expert_ffw"), dtype)
+
+    def __call__(self, x):
+        """x [D, B, T] -> [D, B, T]."""
+        spec, rules = self.cfg.experts, _local_rules(x.shape[1])
+        fn = functools.partial(
+            experts.mixture,
+            top_k=spec.top_k,
+            norm=spec.norm_top_k,
+            reduce=None if rules is None else rules.mesh_axis("expert_ffw"),
+        )
+        ffw = (None, "expert_ffw", None)
+        fn = sharding.local(
+            fn,
+            rules,
+            in_axes=(("batch", None, None), (None, None), ffw, ffw, (None, None, "expert_ffw")),
+            out_axes=("batch", None, None),
+        )
+        out = fn(x.transpose(1, 2, 0), self.router[...], self.gate[...], self.up[...],
+                 self.down[...])  # fmt: skip
+        return out.transpose(2, 0, 1)
+
+
+def _local_rules(rows: int) -> sharding.ShardingRules | None:
+    """How a MoE layer splits under the current mesh (None: no mesh). The routing sorts tokens,
+    which the automatic partitioner would gather from every data shard: under `shard_map` each
+    device sorts its own rows. Rows that do not divide over "data" are whole on every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    data = dict(mesh.shape).get("data", 1)
+    return dataclasses.replace(sharding.DEFAULT_RULES, batch="data" if rows % data == 0 else None)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, layer: int, dtype, rngs: nnx.Rngs | None):
         self.cfg = cfg
         self.attn_norm = _ones(rngs, (cfg.embed,), ("embed",), dtype)
         self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.mlp_norm = _ones(rngs, (cfg.embed,), ("embed",), dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        kind = MoE if cfg.sparse(layer) else MLP
+        self.mlp = kind(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, rope, attend: Callable, state):
         """x [D, B, T] -> ([D, B, T], state)."""
@@ -134,7 +182,9 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [Block(cfg, layer=i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
         self.norm = _ones(rngs, (cfg.embed,), ("embed",), dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"), dtype)

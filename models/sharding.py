@@ -32,6 +32,8 @@ class ShardingRules:
     head_dim: str | None = None
     ffw: str | None = "model"
     vocab: str | None = "model"
+    experts: str | None = None  # each expert whole on every device ...
+    expert_ffw: str | None = "model"  # ... its hidden units split, as a dense MLP's are
     cache_slots: str | None = None  # must stay None: selection gathers along the slot axis
     window: str | None = None
 
@@ -132,6 +134,7 @@ def check_divisible(
         ("kv_heads", cfg.kv_heads, "KV heads"),
         ("q_heads", cfg.q_heads, "query heads"),
         ("ffw", cfg.ffw, "MLP hidden units"),
+        *([("expert_ffw", cfg.experts.ffw, "expert hidden units")] if cfg.experts else []),
     ):
         name = rules.mesh_axis(axis)
         if name is not None and count % sizes[name]:

@@ -116,6 +116,7 @@ SLOWEST_FIRST = (
     "test_stateful_policies.py",
     "test_triattention.py",
     "test_jobs.py",
+    "test_experts.py",
     "test_sharding.py",
     "test_multihost.py",
     "test_evaluation.py",

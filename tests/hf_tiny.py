@@ -44,6 +44,22 @@ KINDS = {
         ),
     ),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32)),
+    # 8 experts, top 2, renormalised; layer 0 dense through mlp_only_layers, layer 1 experts.
+    # 4 KV heads so that a model=4 mesh splits it.
+    "qwen3_moe": (
+        tf.Qwen3MoeConfig,
+        tf.Qwen3MoeForCausalLM,
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
 }
 
 

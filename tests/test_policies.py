@@ -31,6 +31,7 @@ from rkvjax.kv import selection as C
 from rkvjax.kv.config import CompressionConfig, compression_config
 from rkvjax.runtime import programs
 from tests import reference
+from tests.limits import HANG_S
 from tests.reference import keydiff_numpy
 from tests.test_compression import SCORE_TOL, _inputs, _random_valid
 from tests.test_policy import (
@@ -477,7 +478,12 @@ def test_the_readme_policy_example_runs(smol_dir, tmp_path):
             command += f" --tiny --out {shlex.quote(str(tmp_path / 'bench'))}"
             cwd = ROOT
         done = subprocess.run(
-            ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+            ["bash", "-c", command],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=HANG_S,
         )
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
         outputs.append(done)
@@ -600,6 +606,6 @@ def test_shared_kept_sets_on_a_mesh_equal_one_device(tiny_checkpoint):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=HANG_S,
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

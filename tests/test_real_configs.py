@@ -83,6 +83,14 @@ PUBLISHED = {
     ),
 }
 
+# moe/ file stem -> (repo, [(figure, what, source)]); "active" is what one token uses.
+MOE = {
+    "Qwen3-30B-A3B": (
+        "Qwen/Qwen3-30B-A3B",
+        [("30.5B", "total", CARD), ("29.9B", "non-embedding", CARD), ("3.3B", "active", CARD)],
+    ),
+}
+
 # refuse/ file stem -> what its message must name: first as published, then with the
 # architecture swapped for a supported one (so the other reasons are caught on their own too).
 REFUSED = {
@@ -126,6 +134,7 @@ def _sizes(cfg) -> dict[str, int]:
 def test_table_covers_every_config():
     shared_data.need("real_configs")
     assert {p.stem for p in REAL.glob("*.json")} == PUBLISHED.keys()
+    assert {p.stem for p in (REAL / "moe").glob("*.json")} == MOE.keys()
     assert {p.stem for p in (REAL / "refuse").glob("*.json")} == REFUSED.keys()
 
 
@@ -140,6 +149,26 @@ def test_real_config_builds_the_published_size(name):
         assert _matches(sizes[what], figure), (
             f"{name}: {what} {sizes[what]:,} parameters, published {figure} ({source.format(repo)})"
         )
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_moe_config_builds_the_published_size_and_active_size(name):
+    cfg = parse_hf_config(_read(REAL / "moe" / f"{name}.json"), where=name)
+    assert cfg.experts is not None and len(cfg.experts.layers) == cfg.num_layers
+    sizes = _sizes(cfg)
+    assert cfg.parameters() == sizes["total"]
+    sizes["active"] = cfg.parameters(active=True)
+    repo, figures = MOE[name]
+    for figure, what, source in figures:
+        assert _matches(sizes[what], figure), (
+            f"{name}: {what} {sizes[what]:,} parameters, published {figure} ({source.format(repo)})"
+        )
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_of_the_config_is_the_models(name):
+    cfg = parse_hf_config(_read(REAL / f"{name}.json"), where=name)
+    assert cfg.parameters() == cfg.parameters(active=True) == _sizes(cfg)["total"]
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
