@@ -439,20 +439,42 @@ def test_engine_rejects_what_it_cannot_run(llama):
 
 
 @pytest.mark.slow
-def test_stop_watcher_finds_what_a_full_decode_finds(smol):
-    """Token by token, the incremental text finds a stop string at the same token as decoding
-    the whole output again after every token would (the quadratic way it replaces)."""
+@pytest.mark.parametrize("keep_text", [False, True], ids=["skipping", "decoding"])
+def test_stop_watcher_finds_what_a_full_decode_finds(smol, keep_text, monkeypatch):
+    """Pushed in chunks of 1, 5 and 16 tokens, a watcher finds a stop string at the same token
+    as decoding the whole output again after every token would (the quadratic way it replaces):
+    stop strings of one and several characters, across tokens, after a space, multi-byte ones
+    and ones behind special tokens (no text of their own). Without `keep_text` it decodes only
+    around the tokens that can complete a stop string."""
     tok = smol.tokenizer
     text = "Wait, 12 × 7 = 84. Let me double-check: 12 × 7 is 84, so the answer is 84. Déjà vu! 🙂 "
+    eos = tok.eos_token_ids[0]
     ids = tok.encode(text * 3)
-    for stop in (["84"], ["answer is"], ["vu!"], ["🙂"], ["not there"], ["×", "check"]):
-        watcher = StopWatcher(tok, stop)
-        found = next((i for i in range(len(ids)) if watcher.push([ids[i]]) is not None), None)
+    ids = ids[:40] + [eos] * 3 + ids[40:]  # special tokens within the text
+    decodes = []
+    real = type(tok).decode_raw
+    monkeypatch.setattr(type(tok), "decode_raw", lambda t, x: decodes.append(x) or real(t, x))
+    stops = (["84"], ["answer is"], ["vu!"], ["🙂"], ["not there"], ["×", "check"], [" so the"],
+             ["double"], ["?!", "Wait, 12"], ["é"], [". L"])  # fmt: skip
+    for stop in stops:
         brute = next(
             (n for n in range(1, len(ids) + 1) if find_stop(tok.decode(ids[:n]), stop) is not None),
             None,
         )
-        assert (found + 1 if found is not None else None) == brute, stop
+        for chunk in (1, 5, 16):
+            watcher = StopWatcher(tok, stop, keep_text=keep_text)
+            found = None
+            for i in range(0, len(ids), chunk):
+                found = watcher.push(np.asarray(ids[i : i + chunk]))
+                if found is not None:
+                    break
+            assert found == brute, (stop, chunk)
+    if not keep_text:
+        pushed_tokens = sum(len(ids) for _ in stops) * 3
+        assert sum(map(len, decodes)) < pushed_tokens, "decodes everything, and more"
+        never = StopWatcher(tok, ["\u2603 never \u2603"])
+        decodes.clear()
+        assert never.push(np.asarray(ids)) is None and not decodes  # no token can end it
 
 
 @pytest.mark.slow

@@ -133,11 +133,11 @@ class OutputProcessor:
         n = int(out.count[b])
         if not n:
             return 0
-        new = out.tokens[b, :n].tolist()
-        cut = s.watcher.push(new) if s.watcher is not None else None
+        cut = s.watcher.push(out.tokens[b, :n]) if s.watcher is not None else None
         if cut is not None:  # a stop string ends the sample at its token number `cut`
             n = cut - len(s.tokens)
-            new = new[:n]
+        new = out.tokens[b, :n].tolist()
+        if cut is not None:
             # Not the row's: it ran on until the device stopped it.
             s.peak, s.stalls = int(out.peak_at[b, n - 1]), int(out.stalls_at[b, n - 1])
         s.tokens += new

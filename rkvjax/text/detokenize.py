@@ -1,15 +1,19 @@
-"""Stop strings: each new token is decoded once, and only the text it can complete is searched.
+"""Stop strings: only the tokens that can complete one are decoded, and only the text near them.
 
 Decoding a request's whole output after every chunk to look for stop strings is quadratic in
-its length (a 32K-token trace decoded 500 times). `StopWatcher` feeds each token to the
-tokenizer's incremental decoder (`Tokenizer.stream`, the tokenizers library's DecodeStream, as
-vLLM's fast detokenizer does) and searches only the tail of the text that the new characters can
-complete. A token that ends inside a multi-byte character yields its text with the next one.
+its length (a 32K-token trace decoded 500 times), and decoding every token once (vLLM's
+incremental detokenizer) is still about 2 us a token on the host. `StopWatcher` decodes only
+around the tokens whose text holds a stop string's last character; a streamed sample, whose
+deltas need every token's text anyway, decodes each token once (`Tokenizer.stream`, the
+tokenizers library's DecodeStream) and searches the tail its new characters can complete. A
+token that ends inside a multi-byte character yields its text with the next one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
@@ -21,45 +25,94 @@ def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
 class StopWatcher:
     """Follows one generation token by token and reports the token that completes a stop string.
 
+    A stop string can only be completed by a token whose text holds its last character
+    (`Tokenizer.stop_candidates`, one table per stop set). Tokens that cannot are counted and
+    remembered, not decoded: most chunks of a sample decode nothing. At a candidate, the text of
+    the tokens before it (back far enough to hold the longest stop string) and of it is decoded
+    and searched. With `keep_text` (a streamed sample, whose deltas need every token's text)
+    each token is decoded once instead, by an incremental decoder, and the text it added is
+    searched.
+
     Args:
-      tokenizer: the model's `Tokenizer` (its `stream()`).
+      tokenizer: the model's `Tokenizer`.
       stop: non-empty stop strings.
       keep_text: also keep the text each `push` decoded (`text`), for a streamed sample's
         `TextStream`, so that its tokens are decoded once, not once per reader.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str], *, keep_text: bool = False):
-        self._step = tokenizer.stream()
         self._stop = tuple(stop)
         self._keep = max(map(len, self._stop)) - 1  # a stop string may start this far back
-        self._tail = ""  # the text's last characters: all a new stop string can overlap
         self._count = 0  # tokens pushed
         self._keep_text = keep_text
         self.text = ""  # with keep_text: what the last `push` decoded, up to a stop string
+        if keep_text:
+            self._step = tokenizer.stream()
+            self._tail = ""  # the text's last characters: all a new stop string can overlap
+        else:
+            self._tokenizer = tokenizer
+            # [V + 1] each: ids past the vocabulary clip onto the last entry (looked at; no text).
+            self._candidates = tokenizer.stop_candidates(self._stop)
+            self._bytes = tokenizer.token_byte_lengths()
+            # A stop string spans at most 4 bytes a character; one more character of margin,
+            # whose bytes the window's first token may only partly hold.
+            self._reach = 4 * (self._keep + 2)
+            self._recent: list[np.ndarray] = []  # pushed tokens, trimmed to a window now and then
+            self._held = 0  # tokens in _recent
 
-    def push(self, ids: Sequence[int]) -> int | None:
-        """Appends tokens (Python ints); returns how many of all tokens pushed so far end at the
-        first stop string (that token included), or None while no stop string has appeared."""
+    def push(self, ids) -> int | None:
+        """Appends tokens (ints, a list or a 1-D array); returns how many of all tokens pushed so
+        far end at the first stop string (that token included), or None while no stop string
+        has appeared."""
+        if not self._keep_text:
+            return self._push_skipping(np.asarray(ids))
+        return self._push_decoding(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+
+    def _push_skipping(self, ids: np.ndarray) -> int | None:
+        # The common case, kept to two NumPy calls: no token of the chunk can end a stop string.
+        hit = self._candidates.take(ids, mode="clip")
+        if hit.any():
+            for j in np.flatnonzero(hit):
+                # What the candidate completes starts in its own text or at most `_reach`
+                # bytes before it: the window holds that much before it, whatever its length.
+                before = self._window(np.concatenate([*self._recent, ids[:j]]))
+                text = self._tokenizer.decode_raw([*before.tolist(), int(ids[j])])
+                if any(s in text for s in self._stop):
+                    self._count += int(j) + 1
+                    return self._count
+        self._count += len(ids)
+        self._recent.append(ids)
+        self._held += len(ids)
+        if self._held > 4 * self._reach + 256:  # trimmed now and then, not on every push
+            kept = self._window(np.concatenate(self._recent))
+            self._recent, self._held = [kept], len(kept)
+        return None
+
+    def _window(self, ids: np.ndarray) -> np.ndarray:
+        """The shortest tail of `ids` holding `_reach` bytes of text (all of it if shorter)."""
+        size = self._bytes.take(ids, mode="clip")[::-1]
+        enough = np.flatnonzero(np.cumsum(size) >= self._reach)
+        return ids if not enough.size else ids[len(ids) - 1 - enough[0] :]
+
+    def _push_decoding(self, ids) -> int | None:
         step, stop, keep = self._step, self._stop, self._keep
         tail, count = self._tail, self._count
-        pieces = [] if self._keep_text else None
-        for t in ids:  # the host's hottest loop with stop strings on: kept to the bone
+        pieces = []
+        for t in ids:  # the host's hottest loop for a streamed sample: kept to the bone
             count += 1
             text = step(t)
             if not text:
                 continue  # no complete character yet
-            if pieces is not None:
-                pieces.append(text)
+            pieces.append(text)
             tail += text
             if stop[0] in tail or (len(stop) > 1 and any(s in tail for s in stop)):
                 self._count = count
-                self.text = "".join(pieces) if pieces is not None else ""
+                self.text = "".join(pieces)
                 return count
             if len(tail) > keep:
                 tail = tail[len(tail) - keep :] if keep else ""
         self._tail, self._count = tail, count
-        if pieces is not None:
-            self.text = "".join(pieces)
+        self.text = "".join(pieces)
         return None
 
 

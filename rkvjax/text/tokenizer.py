@@ -190,6 +190,44 @@ class Tokenizer:
         stream = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         return functools.partial(stream.step, self._backend)
 
+    def decode_raw(self, ids: Sequence[int]) -> str:
+        """Token ids -> text as `stream()` writes it: special tokens skipped, no clean-up."""
+        return self._backend.decode(list(ids), skip_special_tokens=True)
+
+    @functools.cached_property
+    def _token_texts(self) -> tuple[list[str], np.ndarray]:
+        """Each token's text after an ASCII letter, as a stream decodes it (U+FFFD where the
+        token ends inside a character), and its length in UTF-8 bytes [V]: one batch decode of
+        the vocabulary, once (about 50 ms for 49K tokens)."""
+        ctx = self._backend.encode("a", add_special_tokens=False).ids[-1:]
+        lead = len(self._backend.decode(ctx, skip_special_tokens=True))
+        texts = self._backend.decode_batch(
+            [[*ctx, v] for v in range(self.vocab_size)], skip_special_tokens=True
+        )
+        texts = [t[lead:] for t in texts]
+        lengths = np.fromiter((len(t.encode()) for t in texts), np.int64, len(texts))
+        return texts, np.append(lengths, 0)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """[V + 1] int64 each token's text's length in UTF-8 bytes (0 for special tokens), and
+        a last 0, which ids past the vocabulary clip onto (they decode to nothing)."""
+        return self._token_texts[1]
+
+    def stop_candidates(self, stop: tuple[str, ...]) -> np.ndarray:
+        """[V + 1] bool: the tokens that can complete one of the `stop` strings, those whose
+        text holds a stop string's last character or ends inside a character (then what it
+        completes is not known alone), and a last True, which ids past the vocabulary (a
+        model's padded embedding) clip onto. Cached per stop set."""
+        cache = self.__dict__.setdefault("_stop_candidates", {})
+        if stop not in cache:
+            if len(cache) >= 256:
+                cache.pop(next(iter(cache)))
+            last = {s[-1] for s in stop} | {"\ufffd"}
+            texts, _ = self._token_texts
+            hits = np.fromiter((not last.isdisjoint(t) for t in texts), bool, len(texts))
+            cache[stop] = np.append(hits, True)
+        return cache[stop]
+
     @property
     def cleans_up(self) -> bool:
         """Whether `decode` removes spaces before punctuation (transformers'
