@@ -18,13 +18,15 @@
 # invariance on, its default for an 8-bit cache), checkpoint (the random-init DeepSeek-R1-Distill-Qwen-1.5B
 # folder the next four read), decode (rkvjax against transformers at batch 1 and 32),
 # memory_speed (R-KV against FullKV as one row's context grows), tail (a run's tail decoded
-# narrow against every slot, 64 slots) and load_time (loading from safetensors and from an
-# `rkvjax convert` folder).
+# narrow against every slot, 64 slots), load_time (loading from safetensors and from an
+# `rkvjax convert` folder) and moe (the scale step for Qwen3-30B-A3B's shape: 61 GB of
+# random bfloat16 weights, 3.35B of 30.5B parameters active; an H200's 141 GB, not an 80 GB
+# card).
 #
 #   bash bench/gpu_suite.sh [OUT_DIR [STEP...]]   # default bench/results/gpu, the default pass
 #
 # STEP is one of tests, scale, kernel, kv_int8, host, kv_int8_invariant, checkpoint, decode, memory_speed, tail,
-# load_time; named steps run in the order given (decode, memory_speed, tail and load_time need
+# load_time, moe; named steps run in the order given (decode, memory_speed, tail and load_time need
 # checkpoint, in this run or an earlier one). Each step has its own time limit and log, and a
 # failing step does not stop the next one. Assumes jax with CUDA, flax, orbax, torch and
 # transformers are installed; installs rkvjax itself (editable, without dependencies) when it
@@ -57,6 +59,8 @@ step() {  # step NAME SECONDS CMD...: output to $out/NAME.log, status and tail o
 if ! (cd / && $py -c "import rkvjax.convert" 2>/dev/null); then
 	$py -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 fi
+# The published configs the scale steps read (RKVJAX_DATA's folder, as bench/common.py has it).
+configs=$($py -c 'from bench import common; print(common.DATA.parent / "real_configs")')
 $py - <<'EOF'
 import jax, flax, torch, transformers
 print("jax", jax.__version__, "flax", flax.__version__, "torch", torch.__version__,
@@ -108,6 +112,11 @@ run_step() {
 	# Several processes share the GPU here, so none may take JAX's default 75% up front.
 	load_time) step load_time 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false $py -m bench load \
 		--out "$out" --model "$ckpt" --dtype bfloat16 --repeats 3 ;;
+	# A mixture of experts at full shape: whether the grouped expert products (gathered per
+	# tile) keep decode near a dense model of its active size, FullKV against R-KV, 8K tokens.
+	moe) step moe 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 $py -m bench scale \
+		--out "$out/moe" --config "$configs/moe/Qwen3-30B-A3B.json" \
+		--gen-tokens 8192 --warmup-steps 32 --timed-steps 64 --time-limit-s 150 ;;
 	*) echo "unknown step: $1" >&2 ;;
 	esac
 }
