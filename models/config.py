@@ -82,6 +82,18 @@ class ModelConfig:
                 total += attention + 3 * d * self.ffw
         return total
 
+    def describe(self) -> str:
+        """The architecture and its size, for a command's first line: "llama, 135M
+        parameters", "qwen3_moe, 3.35B of 30.5B parameters active"."""
+
+        def size(n: int) -> str:
+            return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+        total, active = self.parameters(), self.parameters(active=True)
+        if active == total:
+            return f"{self.arch}, {size(total)} parameters"
+        return f"{self.arch}, {size(active)} of {size(total)} parameters active"
+
     @property
     def group(self) -> int:  # G: query heads per KV head
         return self.q_heads // self.kv_heads

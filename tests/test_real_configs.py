@@ -158,6 +158,7 @@ def test_moe_config_builds_the_published_size_and_active_size(name):
     sizes = _sizes(cfg)
     assert cfg.parameters() == sizes["total"]
     sizes["active"] = cfg.parameters(active=True)
+    assert cfg.describe() == "qwen3_moe, 3.35B of 30.5B parameters active"  # commands' first line
     repo, figures = MOE[name]
     for figure, what, source in figures:
         assert _matches(sizes[what], figure), (

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     policy = "FullKV" if s.budget is None else f"{s.method} budget {s.budget}"
     policy += f", {s.kv_dtype} cache" if s.kv_dtype != model.dtype.__name__ else ""
     print(
-        f"[rkvjax] {model.path.name} ({model.config.arch}, {model.dtype.__name__}, {policy}) | "
+        f"[rkvjax] {model.path.name} ({model.config.describe()}, {model.dtype.__name__}, "
+        f"{policy}) | "
         f"batch {s.batch_size} | prompt tokens {sum(r.stats.prompt_tokens for r in results)} | "
         f"generated {sum(r.stats.generated_tokens for r in results)} | "
         f"{s.tokens_per_s:.1f} tok/s decode | time to first token {s.time_to_first_token_s:.2f} s"

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     )
     access = "API key required" if api_key is not None else "open: no API key"
     print(
-        f"[rkvjax] serving {name} ({model.config.arch}, {model.dtype.__name__}, {policy}, "
+        f"[rkvjax] serving {name} ({model.config.describe()}, {model.dtype.__name__}, {policy}, "
         f"{engine.slots} slots, context {length}) on http://{args.host}:{args.port}/v1 "
         f"({access})",
         file=sys.stderr,
