@@ -11,6 +11,9 @@ A + U (m - 1) rows are computed, U = min(E, A) being the experts that can have r
 is the largest tile that keeps this within 1.5 A: compiled FLOPs follow the active parameters.
 On a mesh each device routes its own rows (no token leaves its data shard: the sort is local)
 and computes its slice of every expert's hidden units, like a dense MLP's tensor parallelism.
+In batch-invariant mode (`layers.fixed_columns`) the tiles have the fixed column count and are
+computed one at a time, and the router's product is a fixed-column `layers.project`, so a row's
+numbers do not depend on the rows routed beside it.
 `jax.lax.ragged_dot` would say the same more briefly, but XLA:CPU (and XLA:GPU without a cuDNN
 fusion) expands it into a product over every expert: E / k times the work.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from rkvjax.models import layers
 
 # Rows computed per assignment at most (padding of each expert's run to whole tiles).
 MAX_PADDING = 1.5
@@ -29,8 +33,8 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm: bool):
 
     As transformers computes it: the router's logits in the model's dtype, the softmax in
     float32, the top k (the lower index first among equals), renormalised when `norm`."""
-    logits = jnp.einsum("ND,ED->NE", x, router, preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(logits.astype(x.dtype).astype(jnp.float32), axis=-1)  # [N, E]
+    logits = layers.project("ED,DN->EN", router, x.T, dtype=jnp.float32).T  # [N, E]
+    probs = jax.nn.softmax(logits.astype(x.dtype).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)  # [N, k]
     if norm:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -76,8 +80,14 @@ def layout(experts_of: jax.Array, count: int, m: int, n_tiles: int):
     return row, expert.astype(jnp.int32)
 
 
-def _per_tile(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(dtype)
+def _per_tile(spec: str, x: jax.Array, w: jax.Array, dtype, one_by_one: bool) -> jax.Array:
+    """einsum(spec) over tiles, accumulated in float32; `one_by_one`: a tile at a time (one
+    shape whatever the tile count, so each tile's numbers do not depend on the others)."""
+    if not one_by_one:
+        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(dtype)
+    tile = spec.replace("T", "")  # "TMD,TFD->TMF" -> "MD,FD->MF"
+    product = lambda xw: jnp.einsum(tile, *xw, preferred_element_type=jnp.float32)
+    return jax.lax.map(product, (x, w)).astype(dtype)
 
 
 def grouped_swiglu(
@@ -102,19 +112,22 @@ def grouped_swiglu(
     k = experts.shape[1]
     count = gate.shape[0]
     a = n * k
-    m = tile_rows(a, count)
+    # Batch-invariant mode (`layers.fixed_columns`): tiles of a fixed size, computed one at a
+    # time, so a row's products have one shape whatever runs beside it.
+    fixed = layers.fixed_column_count()
+    m = fixed or tile_rows(a, count)
     n_tiles = tiles(a, count, m)
     row, expert = layout(experts.reshape(a), count, m, n_tiles)  # [A], [n_tiles]
     token = jnp.arange(a, dtype=jnp.int32) // k  # assignments are token-major
     rows = jnp.zeros((n_tiles * m, d), x.dtype).at[row].set(x[token])
     rows = rows.reshape(n_tiles, m, d)  # [T, m, D]
-    g = _per_tile("TMD,TFD->TMF", rows, gate[expert], x.dtype)
-    u = _per_tile("TMD,TFD->TMF", rows, up[expert], x.dtype)
-    out = _per_tile("TMF,TDF->TMD", jax.nn.silu(g) * u, down[expert], x.dtype)
+    g = _per_tile("TMD,TFD->TMF", rows, gate[expert], x.dtype, bool(fixed))
+    u = _per_tile("TMD,TFD->TMF", rows, up[expert], x.dtype, bool(fixed))
+    out = _per_tile("TMF,TDF->TMD", jax.nn.silu(g) * u, down[expert], x.dtype, bool(fixed))
     out = out.reshape(n_tiles * m, d)[row].reshape(n, k, d)  # [N, k, D], assignment order
-    return jnp.einsum("NKD,NK->ND", out, weights, preferred_element_type=jnp.float32).astype(
-        x.dtype
-    )
+    # A sum over each row's k outputs (one order whatever N), not a product over all rows.
+    mixed = jnp.sum(out.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=1)
+    return mixed.astype(x.dtype)
 
 
 def mixture(x, router, gate, up, down, *, top_k: int, norm: bool, reduce: str | None = None):

@@ -54,6 +54,11 @@ def fixed_columns(columns: int):
         _FIXED_COLUMNS.reset(token)
 
 
+def fixed_column_count() -> int:
+    """The columns per product inside `fixed_columns` (0: not inside)."""
+    return _FIXED_COLUMNS.get()
+
+
 def _project_fixed(spec: str, w: jax.Array, x: jax.Array, columns: int) -> jax.Array:
     """`einsum(spec, w, x)` (float32) computed on tiles of exactly `columns` of x's columns."""
     operands, out = spec.split("->")

@@ -253,3 +253,13 @@ def test_a_moe_decode_step_only_all_reduces(moe_folder, monkeypatch):
     activations = {f"{m.config.embed},{rows},1", f"{rows},1,{m.config.embed}"}
     assert {dims for _, dims in shaped} <= activations | {""}
     assert sum(1 for _, dims in shaped if dims) == 2 * m.config.num_layers
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_moe_sample_does_not_depend_on_the_batch(moe, kv_dtype):
+    """Batch-invariant mode: rows routed beside others (expert runs and tiles of other sizes)
+    give each sampled request the tokens, logprobs and kept sets it gets alone, to the bit."""
+    from tests.test_batch_invariance import BUDGET, BUFFER, WINDOW, _assert_same, _batch_and_alone
+
+    cc = rkvjax.compression_config("rkv", BUDGET, buffer=BUFFER, window=WINDOW, kv_dtype=kv_dtype)
+    _assert_same(*_batch_and_alone(moe, cc, narrow=False))
