@@ -269,7 +269,7 @@ def _experts(raw: dict[str, Any], where: str) -> Experts | None:
     if top_k > count:
         raise ConfigError(f"{where}: `num_experts_per_tok` = {top_k} exceeds num_experts={count}")
     layers = _int(raw, "num_hidden_layers", where, low=1)
-    step = _int({"s": raw.get("decoder_sparse_step", 1)}, "s", where, low=1)
+    step = _int(raw, "decoder_sparse_step", where, low=1) if "decoder_sparse_step" in raw else 1
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense

@@ -263,3 +263,15 @@ def test_a_moe_sample_does_not_depend_on_the_batch(moe, kv_dtype):
 
     cc = rkvjax.compression_config("rkv", BUDGET, buffer=BUFFER, window=WINDOW, kv_dtype=kv_dtype)
     _assert_same(*_batch_and_alone(moe, cc, narrow=False))
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("decoder_sparse_step", 0), ("num_experts_per_tok", 9), ("mlp_only_layers", [2])],
+)
+def test_a_bad_moe_setting_is_named(moe_folder, key, value):
+    from rkvjax.convert.hf_config import ConfigError, parse_hf_config
+
+    raw = __import__("json").loads((moe_folder / "config.json").read_text())
+    with pytest.raises(ConfigError, match=key):
+        parse_hf_config({**raw, key: value})
