@@ -1,4 +1,10 @@
-"""GGUF (llama.cpp) file -> Hugging Face folder: config, float32 safetensors, tokenizer files."""
+"""GGUF (llama.cpp) file -> Hugging Face folder: config, float32 safetensors, tokenizer files.
+
+Architectures: llama, qwen2, qwen3 and qwen3moe (Qwen3-MoE), each as llama.cpp's
+convert_hf_to_gguf.py writes it: Q/K rows permuted for llama only (the others use NEOX RoPE,
+which is Hugging Face's rotate-half), q/k/v biases for qwen2, q/k norms for qwen3 and qwen3moe,
+and a qwen3moe layer's experts stacked in one tensor per projection ([E, F, D]), split back into
+Hugging Face's per-expert tensors."""
 
 from __future__ import annotations
 
@@ -20,10 +26,34 @@ import numpy as np
 CONVERTER_VERSION = 1
 STAMP_FILE = "rkvjax_conversion.json"
 
-# llama.cpp `tokenizer.ggml.pre` -> whether digits are split one by one before the GPT-2 regex.
-# llama-vocab.cpp gives these the regexes ["\p{N}", <GPT-2 regex>] resp. [<GPT-2 regex>]; the
-# Hugging Face tokenizer.json of those models spells it Digits(individual) + ByteLevel.
-_BYTE_LEVEL_PRE = {"smollm": True, "starcoder": True, "gpt-2": False}
+# llama.cpp `tokenizer.ggml.pre` -> how text is split before byte-level BPE. llama-vocab.cpp gives
+# smollm and starcoder the regexes ["\p{N}", <GPT-2 regex>] (tokenizer.json: Digits(individual) +
+# ByteLevel), gpt-2 [<GPT-2 regex>] (ByteLevel with its regex) and qwen2 its own one regex
+# (tokenizer.json: Split(regex, isolated) + ByteLevel without regex).
+_PRE_SPLITS = {"smollm": "digits", "starcoder": "digits", "gpt-2": "gpt2", "qwen2": "qwen2"}
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class _Arch(NamedTuple):
+    """What a llama.cpp architecture stores beyond a llama's, and the Hugging Face model it is."""
+
+    model_type: str
+    architecture: str
+    permuted_qk: bool  # Q/K rows in llama.cpp's interleaved-RoPE order (llama only)
+    qkv_bias: bool
+    qk_norm: bool
+    experts: bool  # every layer a mixture of experts (llama.cpp has no dense layers among them)
+
+
+_ARCHS = {
+    "llama": _Arch("llama", "LlamaForCausalLM", True, False, False, False),
+    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", False, True, False, False),
+    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", False, False, True, False),
+    "qwen3moe": _Arch("qwen3_moe", "Qwen3MoeForCausalLM", False, False, True, True),
+}
 
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED (plain added).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -39,6 +69,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    # Stacked experts, split along axis 0 into one tensor per expert `e`.
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
 
 
@@ -49,11 +89,12 @@ class GGUFError(ValueError):
 def gguf_to_hf(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
 ) -> Path:
-    """Converts a llama-architecture GGUF file into a Hugging Face style folder.
+    """Converts a llama, qwen2, qwen3 or qwen3moe GGUF file into a Hugging Face style folder.
 
-    Quantized tensors are dequantized to float32 and llama.cpp's Q/K row permutation is undone, so
-    `transformers.LlamaForCausalLM.from_pretrained(out_dir)` computes what llama.cpp computes. The
-    folder is built next to `out_dir` and renamed into place, so it is either complete or absent.
+    Quantized tensors are dequantized to float32, llama.cpp's Q/K row permutation is undone
+    (llama) and stacked experts are split (qwen3moe), so the matching transformers model
+    (`LlamaForCausalLM`, ...) loaded from `out_dir` computes what llama.cpp computes. The folder
+    is built next to `out_dir` and renamed into place, so it is either complete or absent.
 
     Args:
         gguf_path: the .gguf file.
@@ -75,14 +116,15 @@ def gguf_to_hf(
     with _GGUFFile(gguf_path) as reader:
         meta = reader.meta
         arch = meta.get("general.architecture")
-        if arch != "llama":
+        if arch not in _ARCHS:
             raise GGUFError(
                 f"{where}: architecture {arch!r} is not supported by the GGUF converter "
-                "(supported: 'llama'); convert the original Hugging Face checkpoint instead"
+                f"(supported: {', '.join(map(repr, _ARCHS))}); convert the original Hugging Face "
+                "checkpoint instead"
             )
-        config = _llama_config(meta, [t.name for t in reader.tensors], where)
+        config = _config(meta, arch, [t.name for t in reader.tensors], where)
         tokenizer_json, tokenizer_config = _tokenizer_files(meta, config, where)
-        tensors = _llama_tensors(reader, config, where)
+        tensors = _tensors(reader, _ARCHS[arch], config, where)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # mkdir (not mkdtemp, which makes it 0700) so the folder gets the usual umask permissions.
@@ -147,38 +189,58 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _llama_config(meta: dict[str, Any], names: list[str], where: str) -> dict[str, Any]:
-    """config.json as transformers 5 `LlamaConfig.save_pretrained` writes it."""
+def _config(meta: dict[str, Any], arch: str, names: list[str], where: str) -> dict[str, Any]:
+    """config.json as transformers 5 `<Model>Config.save_pretrained` writes it (llama exactly;
+    the Qwen families with the keys their models read)."""
+    spec = _ARCHS[arch]
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
 
     def need(key):
-        if f"llama.{key}" not in meta:
-            raise GGUFError(f"{where}: metadata key llama.{key} is missing")
-        return meta[f"llama.{key}"]
+        if f"{arch}.{key}" not in meta:
+            raise GGUFError(f"{where}: metadata key {arch}.{key} is missing")
+        return meta[f"{arch}.{key}"]
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
-    if int(meta.get("llama.attention.value_length", head_dim)) != head_dim:
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
         raise GGUFError(f"{where}: attention.value_length differs from key_length")
-    if int(meta.get("llama.rope.dimension_count", head_dim)) != head_dim:
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise GGUFError(f"{where}: partial RoPE (rope.dimension_count != head_dim) is unsupported")
-    scaling = meta.get("llama.rope.scaling.type", "none")
+    scaling = get("rope.scaling.type", "none")
     if scaling != "none":
-        raise GGUFError(f"{where}: llama.rope.scaling.type {scaling!r} is unsupported")
-    if meta.get("llama.expert_count", 0):
-        raise GGUFError(f"{where}: mixture-of-experts llama files are unsupported")
+        raise GGUFError(f"{where}: {arch}.rope.scaling.type {scaling!r} is unsupported")
+    if get("expert_count", 0) and not spec.experts:
+        raise GGUFError(f"{where}: mixture-of-experts {arch} files are unsupported")
+    if get("expert_shared_count", 0):
+        raise GGUFError(f"{where}: shared experts ({arch}.expert_shared_count) are unsupported")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = int(meta.get("llama.vocab_size", len(tokens) if tokens is not None else 0))
+    vocab = int(get("vocab_size", len(tokens) if tokens is not None else 0))
     if vocab == 0:
-        raise GGUFError(f"{where}: no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
+        raise GGUFError(f"{where}: no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
 
     def token_id(key):
         value = meta.get(f"tokenizer.ggml.{key}")
         return None if value is None else int(value)
 
-    return {
-        "architectures": ["LlamaForCausalLM"],
+    moe: dict[str, Any] = {}
+    if spec.experts:
+        experts = int(need("expert_count"))
+        ffw = int(need("expert_feed_forward_length"))
+        moe = {
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": ffw,
+            # llama.cpp renormalises a qwen3moe token's top-k weights unless told otherwise.
+            "norm_topk_prob": bool(get("expert_weights_norm", True)),
+            "num_experts": experts,
+            "num_experts_per_tok": int(need("expert_used_count")),
+        }
+    config = {
+        "architectures": [spec.architecture],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": token_id("bos_token_id"),
@@ -188,10 +250,13 @@ def _llama_config(meta: dict[str, Any], names: list[str], where: str) -> dict[st
         "hidden_act": "silu",
         "hidden_size": hidden,
         "initializer_range": 0.02,
-        "intermediate_size": int(need("feed_forward_length")),
+        # A qwen3moe file may leave out the dense size (every layer has experts).
+        "intermediate_size": int(get("feed_forward_length", moe.get("moe_intermediate_size", 0)))
+        if spec.experts
+        else int(need("feed_forward_length")),
         "max_position_embeddings": int(need("context_length")),
         "mlp_bias": False,
-        "model_type": "llama",
+        "model_type": spec.model_type,
         "num_attention_heads": heads,
         "num_hidden_layers": int(need("block_count")),
         "num_key_value_heads": kv_heads,
@@ -199,14 +264,19 @@ def _llama_config(meta: dict[str, Any], names: list[str], where: str) -> dict[st
         "pretraining_tp": 1,
         "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
         "rope_parameters": {
-            "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
+            "rope_theta": _f32(get("rope.freq_base", 10000.0)),
             "rope_type": "default",
         },
         # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in names,
         "use_cache": True,
         "vocab_size": vocab,
+        **moe,
     }
+    if arch != "llama":  # keys only LlamaConfig has (Qwen2 always biases q/k/v)
+        for key in ("mlp_bias", "pretraining_tp", *(["attention_bias"] if spec.qkv_bias else [])):
+            del config[key]
+    return dict(sorted(config.items()))
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -214,8 +284,8 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return {k: config[k] for k in keys if config[k] is not None}
 
 
-def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """GGUF tensor name -> (HF numpy shape [out, in], HF name)."""
+def _expected_shapes(arch: _Arch, config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GGUF tensor name -> (HF numpy shape [out, in], HF name; `{e}` in it: split per expert)."""
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     h, n, k = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
     spec = {
@@ -231,18 +301,32 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...],
         "attn_k.weight": (k * h, d),
         "attn_v.weight": (k * h, d),
         "attn_output.weight": (d, n * h),
-        "ffn_gate.weight": (f, d),
-        "ffn_up.weight": (f, d),
-        "ffn_down.weight": (d, f),
     }
+    if arch.qkv_bias:
+        shapes.update({"attn_q.bias": (n * h,), "attn_k.bias": (k * h,), "attn_v.bias": (k * h,)})
+    if arch.qk_norm:
+        shapes.update({"attn_q_norm.weight": (h,), "attn_k_norm.weight": (h,)})
+    if arch.experts:
+        e, fe = config["num_experts"], config["moe_intermediate_size"]
+        shapes.update({
+            "ffn_gate_inp.weight": (e, d),
+            "ffn_gate_exps.weight": (e, fe, d),
+            "ffn_up_exps.weight": (e, fe, d),
+            "ffn_down_exps.weight": (e, d, fe),
+        })  # fmt: skip
+    else:
+        shapes.update({"ffn_gate.weight": (f, d), "ffn_up.weight": (f, d)})
+        shapes["ffn_down.weight"] = (d, f)
     for i in range(config["num_hidden_layers"]):
         for name, shape in shapes.items():
             spec[f"blk.{i}.{name}"] = (shape, f"model.layers.{i}.{_LAYER_NAMES[name]}")
     return spec
 
 
-def _llama_tensors(reader: _GGUFFile, config: dict[str, Any], where: str) -> dict[str, np.ndarray]:
-    spec = _expected_shapes(config)
+def _tensors(
+    reader: _GGUFFile, arch: _Arch, config: dict[str, Any], where: str
+) -> dict[str, np.ndarray]:
+    spec = _expected_shapes(arch, config)
     out: dict[str, np.ndarray] = {}
     seen = set()
     for t in reader.tensors:
@@ -257,11 +341,15 @@ def _llama_tensors(reader: _GGUFFile, config: dict[str, Any], where: str) -> dic
         w = reader.float32(t)
         layer = _LAYER.fullmatch(t.name)
         kind = layer.group(2) if layer else None
-        if kind == "attn_q.weight":
+        if arch.permuted_qk and kind == "attn_q.weight":
             w = unpermute_rows(w, config["num_attention_heads"])
-        elif kind == "attn_k.weight":
+        elif arch.permuted_qk and kind == "attn_k.weight":
             w = unpermute_rows(w, config["num_key_value_heads"])
-        out[hf_name] = np.ascontiguousarray(w)
+        if "{e}" in hf_name:
+            for e, we in enumerate(w):
+                out[hf_name.format(e=e)] = np.ascontiguousarray(we)
+        else:
+            out[hf_name] = np.ascontiguousarray(w)
     missing = [name for name in spec if name not in seen]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -271,7 +359,7 @@ def _llama_tensors(reader: _GGUFFile, config: dict[str, Any], where: str) -> dic
 
 def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], where: str):
     """(tokenizer.json text, tokenizer_config dict) reproducing the model's HF tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
     model = meta.get("tokenizer.ggml.model")
@@ -281,10 +369,9 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], where: str):
             f"{where}: tokenizer.ggml.model {model!r} is unsupported (supported: 'gpt2', i.e. "
             "byte-level BPE)"
         )
-    if pre not in _BYTE_LEVEL_PRE:
+    if pre not in _PRE_SPLITS:
         raise GGUFError(
-            f"{where}: tokenizer.ggml.pre {pre!r} is unsupported (supported: "
-            f"{sorted(_BYTE_LEVEL_PRE)})"
+            f"{where}: tokenizer.ggml.pre {pre!r} is unsupported (supported: {sorted(_PRE_SPLITS)})"
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -305,13 +392,19 @@ def _tokenizer_files(meta: dict[str, Any], config: dict[str, Any], where: str):
         merges.append(pair)
 
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if _BYTE_LEVEL_PRE[pre]:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+    split = _PRE_SPLITS[pre]
+    if split == "qwen2":  # the regex splits; byte-level only maps bytes
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])  # fmt: skip
     else:
-        tok.pre_tokenizer = byte_level
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True)
+        tok.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if split == "digits"
+            else byte_level
+        )
     tok.decoder = decoders.ByteLevel()
 
     def token_of(key):

@@ -60,6 +60,20 @@ KINDS = {
             mlp_only_layers=[0],
         ),
     ),
+    # Experts in every layer, as llama.cpp's qwen3moe (GGUF) has them.
+    "qwen3_moe_sparse": (
+        tf.Qwen3MoeConfig,
+        tf.Qwen3MoeForCausalLM,
+        dict(
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
+    ),
 }
 
 

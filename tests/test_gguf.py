@@ -121,7 +121,7 @@ def test_tiny_gguf_converts(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"arch": "qwen3"}, "architecture 'qwen3' is not supported"),
+        ({"arch": "gemma3"}, "architecture .gemma3. is not supported"),
         ({"drop": ("blk.0.ffn_up.weight",)}, "'blk.0.ffn_up.weight' is missing"),
         ({"extra": {"blk.0.attn_q.bias": (8,)}}, "unexpected tensor 'blk.0.attn_q.bias'"),
         (
@@ -264,7 +264,7 @@ def test_weights_match_independent_dequantization(smol_dir, torch):
     kinds = {0: "F32", 8: "Q8_0", 3: "Q4_1"}  # ggml type ids
     config = json.loads((smol_dir / "config.json").read_text())
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    spec = gguf_convert._expected_shapes(config)
+    spec = gguf_convert._expected_shapes(gguf_convert._ARCHS["llama"], config)
     assert set(spec) == set(raw)
     # Every kind of tensor, in the first, second and last layer (the logits test covers the rest).
     checked = [n for n in raw if not n.startswith("blk.") or n.split(".")[1] in ("0", "1", "29")]
@@ -348,3 +348,118 @@ def test_load_accepts_a_gguf_file(tmp_path, monkeypatch, capsys):
     assert rkvjax.load(src).path == model.path  # cached: no second conversion
     assert capsys.readouterr().err == ""
     assert rkvjax.logits(model, [1, 2, 3]).shape == (1, 3, model.config.vocab_size)
+
+
+def write_hf_as_gguf(folder, path, arch: str, **extra_meta: int):
+    """A Hugging Face checkpoint folder as llama.cpp's convert_hf_to_gguf.py writes it, with
+    gguf-py's own names for every tensor (its tensor-name map, not the converter's table): Q/K
+    rows permuted for llama only, a layer's experts stacked along a new first axis, the metadata
+    under the architecture's prefix and a qwen2 pre-tokenizer."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config["num_key_value_heads"]
+    experts = config.get("num_experts") or config.get("num_local_experts", 0)  # transformers 5
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(arch_id, layers)
+    for i in range(layers):
+        for proj in ("gate", "up", "down") if experts else ():
+            stack = [state.pop(f"model.layers.{i}.mlp.experts.{e}.{proj}_proj.weight")
+                     for e in range(experts)]  # fmt: skip
+            state[f"model.layers.{i}.mlp.experts.{proj}_proj.weight"] = np.stack(stack)
+        if arch == "llama":
+            for proj, n in (("q", heads), ("k", kv_heads)):
+                key = f"model.layers.{i}.self_attn.{proj}_proj.weight"
+                state[key] = llama_cpp_permute(state[key], n)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    for key, value in extra_meta.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    vocab = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "Ġ", "ab"]
+    vocab += [f"t{i}" for i in range(config["vocab_size"] - len(vocab))]
+    w.add_token_list(vocab)
+    w.add_token_types([3, 3, 3] + [1] * (len(vocab) - 3))
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(2)
+    for name, tensor in state.items():
+        stem, suffix = name.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(stem)}.{suffix}", tensor.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "arch"),
+    [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3_moe_sparse", "qwen3moe")],
+)
+def test_gguf_of_each_architecture_gives_the_checkpoints_logits(
+    tmp_path, tiny_checkpoint, torch, kind, arch
+):
+    """A checkpoint written as llama.cpp writes it converts back to the same model: config,
+    per-expert tensors and logits equal to transformers' on the original checkpoint."""
+    from safetensors.numpy import load_file
+
+    import rkvjax
+
+    folder, hf = tiny_checkpoint(kind)
+    out = gguf_to_hf(write_hf_as_gguf(folder, tmp_path / f"{kind}.gguf", arch), tmp_path / "out")
+    want = load_file(folder / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name].astype(np.float32), err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == hf.config.model_type
+    model = rkvjax.load(out, dtype="float32")
+    if kind == "qwen3_moe_sparse":
+        assert model.config.experts.layers == (0, 1) and model.config.experts.norm_top_k
+    ids = [3, 4, 5, 6, 9, 40, 96, 3]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(rkvjax.logits(model, ids))[0], ref, atol=1e-4)
+
+
+def test_qwen2_pre_tokenizer_splits_as_llama_cpp(tmp_path, tiny_checkpoint):
+    """qwen2's regex: digits one by one, contractions and letters apart, spaces before words."""
+    from tokenizers import Tokenizer
+
+    folder, _ = tiny_checkpoint("qwen2")
+    out = gguf_to_hf(write_hf_as_gguf(folder, tmp_path / "q.gguf", "qwen2"), tmp_path / "out")
+    pre = Tokenizer.from_file(str(out / "tokenizer.json")).pre_tokenizer
+    pieces = [p for p, _ in pre.pre_tokenize_str("I'll pay 1234 now!!\n\n ok")]
+    assert pieces == ["I", "'ll", "Ġpay", "Ġ", "1", "2", "3", "4", "Ġnow", "!!ĊĊ", "Ġok"]
+
+
+def test_gguf_moe_files_it_cannot_run_exactly_are_refused(tmp_path, tiny_checkpoint):
+    moe, _ = tiny_checkpoint("qwen3_moe_sparse")
+    src = write_hf_as_gguf(moe, tmp_path / "b.gguf", "qwen3moe", expert_shared_count=1)
+    with pytest.raises(GGUFError, match="shared experts"):
+        gguf_to_hf(src, tmp_path / "b")
+    # Experts announced in a dense architecture's file: refused, not read as a dense model.
+    dense, _ = tiny_checkpoint("qwen3")
+    src = write_hf_as_gguf(dense, tmp_path / "c.gguf", "qwen3", expert_count=8)
+    with pytest.raises(GGUFError, match="mixture-of-experts qwen3 files are unsupported"):
+        gguf_to_hf(src, tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.gguf", "c.gguf"]
