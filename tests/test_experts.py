@@ -20,6 +20,7 @@ from rkvjax.models.config import Experts, ModelConfig
 from rkvjax.models.decoder import Decoder
 
 import rkvjax
+from rkvjax.kv import policies
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
 
@@ -168,22 +169,33 @@ LENGTHS = (9, 30, 12, 41, 8, 17, 25)
 MAX_TOKENS = (21, 5, 34, 12, 30, 9, 17)
 
 
-def _run(model, slots: int, method: str):
-    cc = rkvjax.compression_config(method, 16 if method != "full" else None, buffer=8)
+def _run(model, slots: int, method: str, kv_dtype=None, options=None):
+    budget = 16 if method != "full" else None
+    cc = rkvjax.compression_config(method, budget, buffer=8, kv_dtype=kv_dtype, **(options or {}))
     eng = rkvjax.Engine(model, slots=slots, cache=cc, max_len=128)
     rng = np.random.RandomState(5)
     prompts = [rng.randint(0, VOCAB, n).tolist() for n in LENGTHS]
-    params = [rkvjax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+    # Seeded: random eviction draws from the request's seed.
+    params = [rkvjax.SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, seed=m)
               for m in MAX_TOKENS]  # fmt: skip
     eng.submit_many(prompts, params)
     return sorted(eng.run(), key=lambda r: r.request_id)
 
 
-@pytest.mark.parametrize("method", ["rkv", "snapkv"])
-def test_continuous_batching_of_a_moe_equals_each_request_alone(moe, method):
+# Every built-in policy, the cache storage types spread over them (the policy and the storage
+# are independent of the MLP: what is tested is that rows routed to different experts do not
+# leak into each other's scores).
+_KV_DTYPES = (None, "int8", "float8_e4m3fn")
+POLICY_CASES = [(m, _KV_DTYPES[i % 3]) for i, m in enumerate(policies.BUILTINS)]
+
+
+@pytest.mark.parametrize("method,kv_dtype", POLICY_CASES, ids=str)
+def test_continuous_batching_of_a_moe_equals_each_request_alone(moe, method, kv_dtype, stats_of):
     """Rows routed to different experts in one step: each request's tokens and compressions
-    through 3 slots equal those of the request alone."""
-    got, alone = _run(moe, 3, method), _run(moe, 1, method)
+    through 3 slots equal those of the request alone, for every built-in policy."""
+    options = {"calibration": stats_of("qwen3_moe")} if method == "triattention" else {}
+    got = _run(moe, 3, method, kv_dtype, options)
+    alone = _run(moe, 1, method, kv_dtype, options)
     for r, (a, b) in enumerate(zip(got, alone, strict=True)):
         assert a.token_ids == b.token_ids, f"request {r}"
         assert a.stats.compressions == b.stats.compressions, f"request {r}"
