@@ -90,6 +90,18 @@ def _per_tile(spec: str, x: jax.Array, w: jax.Array, dtype, one_by_one: bool) ->
     return jax.lax.map(product, (x, w)).astype(dtype)
 
 
+def _gather(w: jax.Array, index: jax.Array) -> jax.Array:
+    """w[index], the tiles' weights. XLA:CPU gathers bfloat16 by converting the whole operand
+    to float32; for weights that conversion is loop-invariant, so XLA hoists it out of the
+    decode loop and holds float32 copies of every layer's experts for the whole chunk (3x the
+    experts' bytes in all, which made Qwen3-30B-A3B's decode peak 178 GB). Moved as integers of
+    the same bits (`layers.as_storage`) the view is still hoisted (a copy, 2x); tied by a
+    barrier to the loop-dependent index, nothing about the weights can leave the loop and the
+    view folds into the gather."""
+    w, index = jax.lax.optimization_barrier((w, index))
+    return layers.from_storage(layers.as_storage(w)[index], w.dtype)
+
+
 def grouped_swiglu(
     x: jax.Array,
     weights: jax.Array,
@@ -121,9 +133,10 @@ def grouped_swiglu(
     token = jnp.arange(a, dtype=jnp.int32) // k  # assignments are token-major
     rows = jnp.zeros((n_tiles * m, d), x.dtype).at[row].set(x[token])
     rows = rows.reshape(n_tiles, m, d)  # [T, m, D]
-    g = _per_tile("TMD,TFD->TMF", rows, gate[expert], x.dtype, bool(fixed))
-    u = _per_tile("TMD,TFD->TMF", rows, up[expert], x.dtype, bool(fixed))
-    out = _per_tile("TMF,TDF->TMD", jax.nn.silu(g) * u, down[expert], x.dtype, bool(fixed))
+    wg, wu, wd = (_gather(w, expert) for w in (gate, up, down))  # [T, F, D], [T, D, F]
+    g = _per_tile("TMD,TFD->TMF", rows, wg, x.dtype, bool(fixed))  # wg: [T, F, D]
+    u = _per_tile("TMD,TFD->TMF", rows, wu, x.dtype, bool(fixed))
+    out = _per_tile("TMF,TDF->TMD", jax.nn.silu(g) * u, wd, x.dtype, bool(fixed))
     out = out.reshape(n_tiles * m, d)[row].reshape(n, k, d)  # [N, k, D], assignment order
     # A sum over each row's k outputs (one order whatever N), not a product over all rows.
     mixed = jnp.sum(out.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=1)
