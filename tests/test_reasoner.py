@@ -85,7 +85,13 @@ def test_the_tokenizer_encodes_every_text_and_the_engine_reads_it(tmp_path):
     assert tok.encode("rounds 12\nround 3\n").tokens == ["rounds ", "12\n", "round ", "3\n"]
     # Every round line is two tokens: a problem's rounds all span the same positions.
     assert {len(tok.encode(f"round {r}\n").ids) for r in range(1, 41)} == {2}
-    assert tok.encode("a=d+b=0+2=2\n").tokens == ["a=", "d+", "b=", "0+", "2=", "2\n"]
+    # An op line is the op (the loop's own token) and its evaluation; a vars entry is one.
+    assert tok.encode("a=d+b=0+2=2\n").tokens == ["a=d+b", "=0+2=2\n"]
+    assert tok.encode("loop a=d+b h=h-h\n").tokens == ["loop ", "a=d+b", " ", "h=h-h", "\n"]
+    assert tok.encode("vars a=5 b=2").tokens == ["vars ", "a=5", " ", "b=2"]
+    assert tok.encode("ask c\nanswer 6").tokens == ["ask ", "c\n", "answer ", "6"]
+    # A wrong evaluation still encodes (the grader, not the tokenizer, judges it).
+    assert tok.encode("a=d+b=0+2=7\n").tokens == ["a=d+b", "=0+2=7\n"]
     tokens.save(tmp_path)
     from rkvjax.text.tokenizer import Tokenizer
 
@@ -147,7 +153,8 @@ def test_training_is_reproducible_and_the_engine_runs_its_folder(tmp_path):
     assert sum(by_kind[k] * counts[k] for k in by_kind) / len(kinds) == pytest.approx(
         train.teacher_forced(a, [problem], tok)["token"]
     )
-    assert {"round", "name", "result", "answer", "end"} <= by_kind.keys()
+    assert {"round", "op", "answer", "end"} <= by_kind.keys()
+    assert any(k.startswith("evaluation: ") for k in by_kind)
     # What the engine computes is what training computed: the full forward's logits agree.
     ids = model.tokenizer.encode(prompt)
     batch = {"inputs": np.array([ids]), "positions": np.arange(len(ids))[None],
@@ -186,10 +193,12 @@ def test_token_kinds_say_where_each_operand_was_last_written():
         "vars a=5 b=2 c=6 d=0 e=1 f=8 g=1 h=5\nloop a=d+b g=g+d d=a-e\nrounds 2\nask c\n"
     )
     kinds = train.token_kinds(p)
-    assert len(kinds) == 2 * (2 + 3 * 6) + 3
-    operands = [k.removeprefix("operand: ") for k in kinds if k.startswith("operand")]
-    assert operands == [
-        "vars line", "vars line", "vars line", "vars line", "this round", "vars line",  # round 1
-        "an earlier round", "vars line", "an earlier round", "an earlier round",  # round 2
-        "this round", "vars line",
+    assert len(kinds) == 2 * (2 + 3 * 2) + 3
+    # Each evaluation is classed by its hardest read: an earlier round, this round, vars only.
+    evaluations = [k.removeprefix("evaluation: ") for k in kinds if k.startswith("evaluation")]
+    assert evaluations == [
+        "vars line", "vars line", "this round",  # round 1: d, b; g, d; a (this round), e
+        "an earlier round", "an earlier round", "this round",  # round 2
     ]  # fmt: skip
+    assert kinds[:4] == ["round", "round", "op", "evaluation: vars line"]
+    assert kinds[-3:] == ["answer", "answer", "end"]

@@ -2,14 +2,17 @@
 splitting pre-tokenizer, a fusing decoder) that `rkvjax.load` and transformers read like any
 other.
 
-A token is a keyword with its space (`round `, `answer `, ...), a round number 10-40 with its
-newline (`14\n`), a variable or digit with the sign that follows it (`d+`, `7=`, `4\n`), or any
-other single character of the alphabet. An op line `a=d+b=0+2=2\n` is six tokens, each one
-decision (a name or a value), so traces are half as long as one token per character would make
-them: training sees twice the problems per step and a 40-round trace fits in about 2K
-positions. A round's line is two tokens whatever its number, so every round of a problem spans
-the same number of positions (6 x ops + 2) and an op's line sits at a fixed distance from the
-same op's line a round earlier."""
+A token is one unit of the task. An op line `a=d+b=0+2=2\n` is two tokens: the op `a=d+b`
+(the same token as in the `loop` line, so writing it is a copy) and its evaluation `=0+2=2\n`
+(the operands' values and the result, which they fix). A `vars` entry `a=5` is one token, as is
+a keyword with its space (`round `), a number with its newline (`14\n`) and an asked name with
+its newline (`c\n`); anything else is one character. So every token a model writes that needs
+memory carries its whole value: the evaluation needs the latest value of two variables, each of
+which sits in exactly one earlier token (an evaluation or a `vars` entry) that a cache policy
+either kept or lost. A round spans 2 x ops + 2 tokens whatever its number, so an op's line sits
+at a fixed distance from the same op's line a round earlier. Traces of 3-5 ops over 8-20 rounds
+are 67-243 tokens (with the end) after a prompt of 28-32; 8 ops over 40 rounds, 723.
+"""
 
 from __future__ import annotations
 
@@ -21,20 +24,33 @@ from tokenizers import decoders, models, pre_tokenizers
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 KEYWORDS = ("vars ", "loop ", "rounds ", "round ", "ask ", "answer ")
-SYMBOLS = "abcdefgh0123456789"
-FOLLOWERS = "=+- \n"
-PAIRS = tuple(s + f for s in SYMBOLS for f in FOLLOWERS)
-NUMBERS = tuple(f"{n}\n" for n in range(10, 41))  # round numbers of two digits
-CHARS = tuple(SYMBOLS + FOLLOWERS)
-VOCAB = (PAD, EOS, UNK, *KEYWORDS, *NUMBERS, *PAIRS, *CHARS)
-# Longest keyword first: `rounds ` before `round `.
-_SPLIT = "|".join(sorted((k.replace(" ", "\\s") for k in KEYWORDS), key=len, reverse=True))
+NAMES = "abcdefgh"
+DIGITS = "0123456789"
+NUMBERS = tuple(f"{n}\n" for n in range(1, 41))  # round numbers and the round count
+ASKS = tuple(f"{v}\n" for v in NAMES)
+ENTRIES = tuple(f"{v}={d}" for v in NAMES for d in DIGITS)  # the vars line's
+OPS = tuple(f"{t}={x}{s}{y}" for t in NAMES for x in NAMES for s in "+-" for y in NAMES)
+# Every evaluation, right or wrong, so that any text in the format encodes without <unk>.
+EVALS = tuple(f"={a}{s}{b}={v}\n" for a in DIGITS for s in "+-" for b in DIGITS for v in DIGITS)
+CHARS = tuple(NAMES + DIGITS + "=+- \n")
+VOCAB = (PAD, EOS, UNK, *KEYWORDS, *NUMBERS, *ASKS, *ENTRIES, *OPS, *EVALS, *CHARS)
+# First alternative that matches wins: `rounds ` before `round `, two-digit numbers first.
+_PATTERN = "|".join(
+    (
+        "rounds |round |vars |loop |ask |answer ",
+        "[a-h]=[a-h][+\\-][a-h]",
+        "=[0-9][+\\-][0-9]=[0-9]\\n",
+        "[a-h]=[0-9]",
+        "(?:40|[1-3][0-9]|[1-9])\\n",
+        "[a-h]\\n",
+        "[\\s\\S]",
+    )
+)
 
 
 def build() -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token=UNK))
-    pattern = f"{_SPLIT}|(?:[1-3][0-9]|40)\\n|[a-h0-9][=+\\- \\n]|[\\s\\S]"
-    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(_PATTERN), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([PAD, EOS, UNK])
     return tok

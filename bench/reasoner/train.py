@@ -48,9 +48,9 @@ SHAPE = dict(
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    # About 6 s a step on two CPU cores at the default shape (B x T = 8K tokens): 1200 steps
-    # are the two hours the task allows. A row holds any problem of up to 5 ops over 20 rounds
-    # (at most 680 tokens); longer ones are drawn again.
+    # About 4 s a step on two CPU cores at the default shape (B x T = 8K tokens; 1.9 s at 4K):
+    # 1200 steps take 80 minutes of the two hours the task allows. A row holds any problem (8
+    # ops over 40 rounds: 761 tokens with its prompt).
     steps: int = 1200
     rows: int = 8  # B
     length: int = 1024  # T: tokens per packed row
@@ -77,6 +77,7 @@ def hf_config(cfg: TrainConfig) -> dict:
         "rope_theta": 10000.0,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
+        **dict(cfg.shape),
         "attention_bias": False,
         "bos_token_id": None,
         "eos_token_id": tokens.VOCAB.index(tokens.EOS),
@@ -193,20 +194,22 @@ def teacher_forced(model, problems: list[task.Problem], tok, chunk: int = 16) ->
 
 def token_kinds(problem: task.Problem) -> list[str]:
     """What each trace token (and the end) of `problem` decides, in order: "round" (the round
-    line), "name" (an op's three names, copied from the loop), "operand: vars line" / "operand:
-    this round" / "operand: an earlier round" (a value, by where it was last written),
-    "result", "answer" and "end". Where a model fails tells what it has not learnt yet."""
+    line's two tokens), "op" (an op, copied from the loop), "evaluation: vars line" /
+    "evaluation: this round" / "evaluation: an earlier round" (an op's operand values and
+    result, by the hardest of its two operands' reads: an earlier round's write (a latest write
+    among many), this round's, or only the vars line's), "answer" and "end".
+    Where a model fails tells what it has not learnt yet."""
     last = dict.fromkeys(task.VARIABLES)  # the round of each variable's latest write
+    order = {"vars line": 0, "this round": 1, "an earlier round": 2}
     kinds = []
     for r in range(1, problem.rounds + 1):
         kinds += ["round"] * 2  # `round ` and the number with its newline
         for target, x, _, y in problem.ops:
-            kinds += ["name"] * 3
-            for v in (x, y):
-                w = last[v]
-                where = "vars line" if w is None else "this round" if w == r else "an earlier round"
-                kinds.append(f"operand: {where}")
-            kinds.append("result")
+            wheres = [
+                "vars line" if w is None else "this round" if w == r else "an earlier round"
+                for w in (last[x], last[y])
+            ]
+            kinds += ["op", "evaluation: " + max(wheres, key=order.get)]
             last[target] = r
     return [*kinds, "answer", "answer", "end"]
 
@@ -291,7 +294,8 @@ def save(model, mcfg, cfg: TrainConfig, out: Path) -> None:
     gen = {"eos_token_id": hf_config(cfg)["eos_token_id"], "pad_token_id": 0}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tensors = hf_tensors(model, mcfg)
-    tensors.pop("lm_head.weight", None)
+    if mcfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokens.save(out)
     (out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
