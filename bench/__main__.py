@@ -46,6 +46,7 @@ SUITES = (
     "serve",
     "start",
     "invariance",
+    "experts",
     "reasoner",
 )
 # A suite that lives in a package of its own.

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from rkvjax.models import experts, layers, loading, sharding
+from rkvjax.models import experts, loading, sharding
 from rkvjax.models.config import Experts, ModelConfig
 from rkvjax.models.decoder import Decoder
 
 import rkvjax
+from bench.experts import token_flops
 from rkvjax.kv import policies
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
@@ -108,23 +109,6 @@ MOE = ModelConfig(
 SAME_ACTIVE = dataclasses.replace(MOE, arch="qwen3", experts=None)
 
 
-def _decode_flops(cfg: ModelConfig, rows: int) -> float:
-    """Compiled FLOPs of one token per row through the decoder and its head (attention over
-    the token itself)."""
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-
-    def attend(i, q, k, v, state):
-        mask = jnp.ones((q.shape[0], 1, 1), bool)
-        return layers.attention(q, k, v, mask, kv_axis=1), state
-
-    def step(m, tokens):
-        x, _ = m.hidden(tokens, jnp.zeros_like(tokens), attend, ())
-        return m.head(x)
-
-    tokens = jnp.zeros((rows, 1), jnp.int32)
-    return nnx.jit(step).lower(model, tokens).compile().cost_analysis()["flops"]
-
-
 def _layer_flops(cfg: ModelConfig, rows: int) -> float:
     """Compiled FLOPs of layer 1's MLP (the experts, or a dense MLP) for one token per row."""
     mlp = Decoder(cfg, rngs=nnx.Rngs(0)).layers[1].mlp
@@ -135,7 +119,7 @@ def _layer_flops(cfg: ModelConfig, rows: int) -> float:
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_decode_flops_follow_the_active_parameters(rows, monkeypatch):
     assert MOE.parameters(active=True) == SAME_ACTIVE.parameters() + 8 * 64  # + the router
-    moe, same_active = _decode_flops(MOE, rows), _decode_flops(SAME_ACTIVE, rows)
+    moe, same_active = token_flops(MOE, rows), token_flops(SAME_ACTIVE, rows)
     assert moe <= 1.5 * same_active, (moe, same_active)
     # The layer alone, where the work differs, and against every expert on every token (what
     # jax.lax.ragged_dot compiles to on CPU), which the bound must catch.
