@@ -25,6 +25,16 @@ _LLAMA3 = {
     "original_max_position_embeddings": 64,  # small, so test positions reach all three bands
 }
 
+_MOE = dict(
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    norm_topk_prob=True,
+)
+
 KINDS = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
     # One layer: for tests that compile many engine configurations (batch invariance).
@@ -46,34 +56,9 @@ KINDS = {
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32)),
     # 8 experts, top 2, renormalised; layer 0 dense through mlp_only_layers, layer 1 experts.
     # 4 KV heads so that a model=4 mesh splits it.
-    "qwen3_moe": (
-        tf.Qwen3MoeConfig,
-        tf.Qwen3MoeForCausalLM,
-        dict(
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            norm_topk_prob=True,
-            mlp_only_layers=[0],
-        ),
-    ),
+    "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, {**_MOE, "mlp_only_layers": [0]}),
     # Experts in every layer, as llama.cpp's qwen3moe (GGUF) has them.
-    "qwen3_moe_sparse": (
-        tf.Qwen3MoeConfig,
-        tf.Qwen3MoeForCausalLM,
-        dict(
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            norm_topk_prob=True,
-        ),
-    ),
+    "qwen3_moe_sparse": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, _MOE),
 }
 
 
