@@ -48,6 +48,7 @@ TINY = {
     "dtype": "float32",
 }
 PAPER = {("full", 8192): 62, ("full", 16384): 30, ("rkv", 8192): 402, ("rkv", 16384): 402}
+PAPER_MODEL = "DeepSeek-R1-Distill-Llama-8B"  # the only model the paper's table sizes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -206,6 +207,8 @@ def _rows(model, args, cc, label: str, gen: int, fitted: dict, weights: int):
             "paper_max_batch": (
                 PAPER.get((method, gen))
                 if label in ("full", "rkv-1024")
+                and args.config is not None
+                and Path(args.config).stem == PAPER_MODEL
                 and round(cap_gib) == 80
                 and kv_name == jnp.dtype(model.dtype).name
                 else None
