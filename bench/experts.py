@@ -22,8 +22,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 from flax import nnx
+from rkvjax.convert.hf_config import MOE_KEYS
 from rkvjax.models import layers, loading
-from rkvjax.models.decoder import Decoder
 
 from bench import common
 from bench.decode import CompileTimer, rkvjax_runner, time_engines
@@ -79,8 +79,10 @@ def configs(args) -> tuple[str, dict, dict]:
     if moe.get("model_type") != "qwen3_moe":
         raise SystemExit(f"{name}: the experts suite needs a qwen3_moe config")
     if moe.get("mlp_only_layers"):
-        raise SystemExit(f"{name}: dense layers among the sparse ones (mlp_only_layers) here")
-    dense = {k: v for k, v in moe.items() if k not in _MOE_KEYS}
+        raise SystemExit(
+            f"{name}: dense layers among the sparse ones (mlp_only_layers) are not compared here"
+        )
+    dense = {k: v for k, v in moe.items() if k not in MOE_KEYS}
     dense.update(
         model_type="qwen3",
         architectures=["Qwen3ForCausalLM"],
@@ -89,18 +91,10 @@ def configs(args) -> tuple[str, dict, dict]:
     return name, moe, dense
 
 
-_MOE_KEYS = {
-    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step", "router_aux_loss_coef",
-    "output_router_logits",
-}  # fmt: skip
-
-
-def token_flops(cfg, rows: int) -> float:
-    """Compiled FLOPs (`cost_analysis`) of one decode token per row through the decoder of
-    `cfg` (a ModelConfig) and its head, attention over the token itself: the weights' work,
-    which is what a MoE changes."""
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
+def token_flops(decoder, rows: int) -> float:
+    """Compiled FLOPs (`cost_analysis`) of one decode token per row through `decoder` (an
+    rkvjax Decoder) and its head, attention over the token itself: the weights' work, which is
+    what a MoE changes."""
 
     def attend(i, q, k, v, state):
         mask = jnp.ones((q.shape[0], 1, 1), bool)
@@ -111,7 +105,7 @@ def token_flops(cfg, rows: int) -> float:
         return m.head(x)
 
     tokens = jnp.zeros((rows, 1), jnp.int32)
-    return nnx.jit(step).lower(model, tokens).compile().cost_analysis()["flops"] / rows
+    return nnx.jit(step).lower(decoder, tokens).compile().cost_analysis()["flops"] / rows
 
 
 def run(args, folder) -> list[dict]:
@@ -135,7 +129,7 @@ def run(args, folder) -> list[dict]:
             per_model[kind] = {
                 "steps_per_s": steps,
                 "tokens_per_s": steps * batch,
-                "flops_per_token": token_flops(model.config, batch),
+                "flops_per_token": token_flops(model.decoder, batch),
                 "params": model.config.parameters(),
                 "params_active": model.config.parameters(active=True),
             }

@@ -16,7 +16,7 @@ ARCHITECTURES = {
 }
 
 # A mixture of experts' keys, read for the MoE architectures only (elsewhere they are unknown).
-_MOE_KEYS = {
+MOE_KEYS = {
     "num_experts",
     "num_local_experts",  # transformers 5 writes the expert count under this name
     "num_experts_per_tok",
@@ -193,7 +193,7 @@ def parse_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelCon
             f"{where}: architectures {archs} is not supported for model_type {arch!r} "
             f"(expected [{ARCHITECTURES[arch]!r}])"
         )
-    known = _IGNORED | _MUST_EQUAL.keys() | _HANDLED | (_MOE_KEYS if arch in _MOE_ARCHS else set())
+    known = _IGNORED | _MUST_EQUAL.keys() | _HANDLED | (MOE_KEYS if arch in _MOE_ARCHS else set())
     unknown = {k for k in raw if k not in known and not _is_metadata(k)}
     if unknown:
         raise ConfigError(
