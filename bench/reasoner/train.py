@@ -71,13 +71,12 @@ def hf_config(cfg: TrainConfig) -> dict:
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": -(-len(tokens.VOCAB) // 32) * 32,  # the tokenizer's, rounded up
-        **dict(cfg.shape),
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
-        **dict(cfg.shape),
+        **dict(cfg.shape),  # the sizes, and any default above it overrides (rope_theta, ...)
         "attention_bias": False,
         "bos_token_id": None,
         "eos_token_id": tokens.VOCAB.index(tokens.EOS),
