@@ -120,8 +120,10 @@ def test_hf_tensors_inverts_loading(tiny_checkpoint):
 
 def test_training_is_reproducible_and_the_engine_runs_its_folder(tmp_path):
     """The same seed gives the same weights; the folder loads and generates through rkvjax."""
-    cfg = train.TrainConfig(steps=3, rows=2, length=192, warmup=1, shape=tuple(SMALL.items()))
-    a, losses = train.train(cfg, tmp_path / "a", progress=False)
+    cfg = train.TrainConfig(steps=3, rows=2, length=192, warmup=1, start=(2, 4), end=(2, 4),
+                            shape=tuple(SMALL.items()))  # fmt: skip
+    with open(tmp_path / "log.jsonl", "w") as log:
+        a, losses = train.train(cfg, tmp_path / "a", progress=False, log=log, every=2)
     train.train(cfg, tmp_path / "b", progress=False)
     assert len(losses) == 3 and all(np.isfinite(losses))
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
@@ -133,6 +135,12 @@ def test_training_is_reproducible_and_the_engine_runs_its_folder(tmp_path):
         tmp_path / "a" / "model.safetensors"
     ).read_bytes()
     assert json.loads((tmp_path / "a" / "train_config.json").read_text())["seed"] == 0
+    # Held-out scores in the log: one after step 2 of 3 (the folder written then too), one at
+    # the end.
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    scored = [r for r in rows if "held_out" in r]
+    assert [r["step"] for r in scored] == [1, 2]
+    assert {"exact", "token", "round", "op"} <= scored[-1]["held_out"].keys()
     model = rkvjax.load(tmp_path / "a", dtype="float32")
     problem = task.problems(0, 1)[0]
     prompt = problem.prompt()
@@ -202,3 +210,14 @@ def test_token_kinds_say_where_each_operand_was_last_written():
     ]  # fmt: skip
     assert kinds[:4] == ["round", "round", "op", "evaluation: vars line"]
     assert kinds[-3:] == ["answer", "answer", "end"]
+
+
+def test_example_length_is_exact_and_a_row_must_hold_the_longest():
+    tok = tokens.build()
+    for i in range(200):
+        p = task.sample(random.Random(i), ops=(1, 8), rounds=(1, 40))
+        assert len(train.example(p, tok)[0]) == train.example_length(len(p.ops), p.rounds)
+    assert train.example_length(8, 40) == 761
+    cfg = train.TrainConfig(steps=1, length=512, start=(5, 20), end=(8, 40))
+    with pytest.raises(ValueError, match="8 ops over 40 rounds is 761 tokens"):
+        train.train(cfg, None, progress=False)

@@ -87,7 +87,7 @@ def model_folder(args, out: Path) -> Path:
         from bench.reasoner import train
 
         folder = out / "tiny-model"
-        cfg = train.TrainConfig(steps=2, rows=2, length=256, warmup=1,
+        cfg = train.TrainConfig(steps=2, rows=2, length=256, warmup=1, start=(2, 4), end=(2, 4),
                                 shape=tuple(TINY_SHAPE.items()))  # fmt: skip
         train.train(cfg, folder, progress=False)
         return folder
