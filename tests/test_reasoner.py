@@ -221,3 +221,51 @@ def test_example_length_is_exact_and_a_row_must_hold_the_longest():
     cfg = train.TrainConfig(steps=1, length=512, start=(5, 20), end=(8, 40))
     with pytest.raises(ValueError, match="8 ops over 40 rounds is 761 tokens"):
         train.train(cfg, None, progress=False)
+
+
+def test_reads_point_at_the_tokens_holding_each_operand():
+    """The read supervision's sources: the token holding each operand's latest value (a `vars`
+    entry or an earlier evaluation), checked against the values the trace writes."""
+    tok, vocab = tokens.build(), tokens.VOCAB
+    checked = 0
+    for i in range(60):
+        p = task.sample(random.Random(i), ops=(1, 8), rounds=(1, 12))
+        seq, plen = train.example(p, tok)
+
+        def value(j, seq=seq):
+            text = vocab[seq[j]]  # `d=0` or `=0+2=2\n`
+            return int(text[2]) if text in tokens.ENTRIES else int(text[-2])
+
+        found = train.reads(seq, plen)
+        assert len(found) == len(p.ops) * p.rounds + 1
+        for j, x, y in found:
+            assert x < j and y < j
+            if vocab[seq[j]] == "answer ":
+                assert value(x) == value(y) == p.answer()
+                continue
+            evaluation = vocab[seq[j + 1]]
+            assert (value(x), value(y)) == (int(evaluation[1]), int(evaluation[3]))
+            checked += 1
+    assert checked > 1000
+    batch = train.laid_out([[train.example(p, tok)] for p in task.problems(5, 2)], 400)
+    assert batch["sources"].shape == (2, 399, 2) and batch["source_weights"].sum() > 0
+    assert (batch["sources"][batch["source_weights"] == 0] == 0).all()
+
+
+def test_the_experimental_options_train_and_check_their_layer(tmp_path):
+    small = dict(SMALL, num_hidden_layers=2)
+    cfg = train.TrainConfig(steps=2, rows=2, length=192, warmup=1, start=(2, 4), end=(2, 4),
+                            read_weight=0.3, read_layer=1, clock=0.3,
+                            shape=tuple(small.items()))  # fmt: skip
+    plain = train.init(train.TrainConfig(**{**cfg.__dict__, "clock": 0.0}))[0]
+    model = train.init(cfg)[0]
+    numbers = [tokens.VOCAB.index(t) for t in tokens.NUMBERS]
+    moved = np.abs(np.asarray(model.embed[...]) - np.asarray(plain.embed[...])).sum(-1) > 0
+    assert np.flatnonzero(moved).tolist() == numbers  # the clock touches the round numbers only
+    with open(tmp_path / "log.jsonl", "w") as log:
+        train.train(cfg, tmp_path / "m", progress=False, log=log)
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert rows[-1]["read_loss"] > 0
+    bad = train.TrainConfig(**{**cfg.__dict__, "read_layer": 2})
+    with pytest.raises(ValueError, match="read_layer 2"):
+        train.init(bad)

@@ -64,6 +64,17 @@ class TrainConfig:
     start: tuple[int, int] = (5, 20)
     end: tuple[int, int] = (5, 20)
     grow: float = 0.6
+    # Experimental, off by default (the lead for the newest-write read, see bench/README):
+    # read supervision, training only (the checkpoint stays a plain Llama): query heads 0 and
+    # 1 of layer `read_layer` are taught where each op's operands sit (the token holding each
+    # variable's latest value, known from the generator), with this weight on their
+    # cross-entropy beside the language model's.
+    read_weight: float = 0.0
+    read_layer: int = 2
+    # A number line in the round numbers' embeddings at initialisation (`clock` x r / 40 along
+    # one random direction), so that averaging over the round lines written so far can tell
+    # how late a token is.
+    clock: float = 0.0
     shape: tuple[tuple[str, int], ...] = tuple(SHAPE.items())
 
 
@@ -106,6 +117,29 @@ def example_length(ops: int, rounds: int) -> int:
     return vars_ + loop + rounds_line + ask + rounds * (2 + 2 * ops) + 2 + 1
 
 
+def reads(seq: list[int], plen: int) -> list[tuple[int, int, int]]:
+    """Where each read of the trace `seq` (token ids, prompt first) finds its value: (index of
+    an op token, index of the token holding its first operand's latest value, same for the
+    second), and for the `answer ` token the asked variable's twice. A value sits in a `vars`
+    entry (`d=0`) or in the evaluation token that follows an op writing the variable."""
+    vocab = tokens.VOCAB
+    entries, ops = set(tokens.ENTRIES), set(tokens.OPS)
+    latest, out, ask = {}, [], None
+    for i, tid in enumerate(seq):
+        text = vocab[tid]
+        if i < plen:
+            if text in entries:
+                latest[text[0]] = i
+            elif text in tokens.ASKS and vocab[seq[i - 1]] == "ask ":
+                ask = text[0]
+        elif text in ops:
+            out.append((i, latest[text[2]], latest[text[4]]))
+            latest[text[0]] = i + 1
+        elif text == "answer ":
+            out.append((i, latest[ask], latest[ask]))
+    return out
+
+
 def pack(rng: random.Random, tok, cfg: TrainConfig, step: int) -> dict[str, np.ndarray]:
     """One batch of rows packed with whole problems drawn on the curriculum at `step`."""
     max_ops, max_rounds = limits(cfg, step)
@@ -128,11 +162,13 @@ def pack(rng: random.Random, tok, cfg: TrainConfig, step: int) -> dict[str, np.n
 def laid_out(rows: list[list[tuple[list[int], int]]], t: int) -> dict[str, np.ndarray]:
     """Rows of examples (token ids, prompt length) laid end to end in `t` tokens each, as a
     batch: inputs, targets, loss weights (the trace and its end), positions within each
-    example and segment ids (1, 2, ... per example; 0: padding)."""
+    example, segment ids (1, 2, ... per example; 0: padding) and the reads' sources (`reads`)."""
     ids = np.zeros((len(rows), t), np.int32)
     weight = np.zeros((len(rows), t), np.float32)  # on the token predicted at this index
     pos = np.zeros((len(rows), t), np.int32)
     seg = np.zeros((len(rows), t), np.int32)
+    source = np.zeros((len(rows), t, 2), np.int32)  # [B, T, 2] where each read finds its value
+    source_weight = np.zeros((len(rows), t), np.float32)
     for r, row in enumerate(rows):
         at = 0
         for n, (seq, plen) in enumerate(row, 1):
@@ -140,6 +176,9 @@ def laid_out(rows: list[list[tuple[list[int], int]]], t: int) -> dict[str, np.nd
             weight[r, at + plen : at + len(seq)] = 1.0
             pos[r, at : at + len(seq)] = np.arange(len(seq))
             seg[r, at : at + len(seq)] = n
+            for i, x, y in reads(seq, plen):
+                source[r, at + i] = at + x, at + y
+                source_weight[r, at + i] = 1.0
             at += len(seq)
     return {
         "inputs": ids[:, :-1],
@@ -147,11 +186,15 @@ def laid_out(rows: list[list[tuple[list[int], int]]], t: int) -> dict[str, np.nd
         "weights": weight[:, 1:],
         "positions": pos[:, :-1],
         "segments": seg[:, :-1],
+        "sources": source[:, :-1],
+        "source_weights": source_weight[:, :-1],
     }
 
 
-def logits(model, batch) -> jax.Array:
-    """The packed rows' logits [B, T, V] (float32): causal attention within each problem."""
+def forward(model, batch, capture: int | None = None):
+    """The packed rows' logits [B, T, V] (float32), causal attention within each problem; layer
+    `capture`'s queries and keys ([B, T, N, H], [B, T, K, H]; None without `capture`); the
+    mask [B, T, S]."""
     from rkvjax.models import layers
 
     seg = jnp.asarray(batch["segments"])  # [B, T]
@@ -160,10 +203,29 @@ def logits(model, batch) -> jax.Array:
     mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
 
     def attend(i, q, k, v, state):
-        return layers.attention(q, k, v, mask, kv_axis=1), state
+        return layers.attention(q, k, v, mask, kv_axis=1), (q, k) if i == capture else state
 
-    x, _ = model.hidden(jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]), attend, ())
-    return model.head(x)
+    inputs, positions = jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"])
+    x, qk = model.hidden(inputs, positions, attend, None)
+    return model.head(x), qk, mask
+
+
+def logits(model, batch) -> jax.Array:
+    """The packed rows' logits [B, T, V] (float32)."""
+    return forward(model, batch)[0]
+
+
+def read_loss(q: jax.Array, k: jax.Array, mask: jax.Array, batch) -> jax.Array:
+    """Cross-entropy of query heads 0 and 1 (both on KV head 0) attending to where each read's
+    first and second operand sits, over the reads."""
+    h = q.shape[-1]
+    scores = jnp.einsum("BTNH,BSH->BNTS", q[:, :, :2], k[:, :, 0]) / math.sqrt(h)
+    scores = jnp.where(mask[:, None], scores, -1e30)  # [B, 2, T, S]
+    logp = jax.nn.log_softmax(scores, axis=-1)
+    src = jnp.asarray(batch["sources"]).transpose(0, 2, 1)[..., None]  # [B, 2, T, 1]
+    picked = jnp.take_along_axis(logp, src, axis=-1)[..., 0]  # [B, 2, T]
+    w = jnp.asarray(batch["source_weights"])[:, None]  # [B, 1, T]
+    return -jnp.sum(picked * w) / jnp.maximum(2.0 * jnp.sum(w), 1.0)
 
 
 @nnx.jit
@@ -233,17 +295,23 @@ def accuracy_by_kind(model, problems: list[task.Problem], tok) -> dict[str, floa
     return {k: float(np.mean(v)) for k, v in sorted(right.items())}
 
 
-def _loss(model, batch):
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits(model, batch), batch["targets"])
+def _loss(model, batch, read_layer: int, read_weight: float):
+    capture = read_layer if read_weight else None
+    out, qk, mask = forward(model, batch, capture=capture)
+    ce = optax.softmax_cross_entropy_with_integer_labels(out, batch["targets"])
     w = batch["weights"]  # the trace's tokens and its end only
-    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+    lm = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+    reads_ = read_loss(*qk, mask, batch) if read_weight else jnp.zeros(())
+    return lm + read_weight * reads_, (lm, reads_)
 
 
-@nnx.jit
-def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(_loss)(model, batch)
+@nnx.jit(static_argnames=("read_layer", "read_weight"))
+def train_step(model, optimizer, batch, read_layer: int = 2, read_weight: float = 0.0):
+    """One optimizer step; returns (language-model loss, read loss: 0 without supervision)."""
+    grad_fn = nnx.value_and_grad(_loss, has_aux=True)
+    (_, parts), grads = grad_fn(model, batch, read_layer, read_weight)
     optimizer.update(model, grads)
-    return loss
+    return parts
 
 
 def optimizer_for(model, cfg: TrainConfig) -> nnx.Optimizer:
@@ -261,7 +329,16 @@ def init(cfg: TrainConfig):
     from rkvjax.models.decoder import Decoder
 
     mcfg = parse_hf_config(hf_config(cfg), "the reasoner's config")
-    return Decoder(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed)), mcfg
+    if cfg.read_weight and not 0 <= cfg.read_layer < mcfg.num_layers:
+        raise ValueError(f"read_layer {cfg.read_layer}: the model has {mcfg.num_layers} layers")
+    model = Decoder(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
+    if cfg.clock:
+        u = jax.random.normal(jax.random.key(cfg.seed + 1), (mcfg.embed,))
+        ids = jnp.array([tokens.VOCAB.index(t) for t in tokens.NUMBERS])
+        r = jnp.arange(1, len(ids) + 1) / len(ids)
+        line = cfg.clock * r[:, None] * (u / jnp.linalg.norm(u))[None]  # [40, D]
+        model.embed[...] = model.embed[...].at[ids].add(line)
+    return model, mcfg
 
 
 # Held-out problems scored during training (teacher-forced, so a score is one forward): the
@@ -294,16 +371,18 @@ def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True, every
     bar = tqdm(range(cfg.steps), desc="train", disable=not progress, file=sys.stderr)
     for step in bar:
         batch = pack(rng, tok, cfg, step)
-        loss = float(train_step(model, optimizer, {k: jnp.asarray(v) for k, v in batch.items()}))
+        parts = train_step(model, optimizer, {k: jnp.asarray(v) for k, v in batch.items()},
+                           read_layer=cfg.read_layer, read_weight=cfg.read_weight)  # fmt: skip
+        loss, read = (float(x) for x in parts)
         if not math.isfinite(loss):
             raise FloatingPointError(f"the loss is {loss} at step {step}")
         losses.append(loss)
         if step % 10 == 0 or step == cfg.steps - 1:
             ops, rounds = limits(cfg, step)
-            bar.set_postfix(loss=f"{loss:.4f}", ops=ops, rounds=rounds)
+            bar.set_postfix(loss=f"{loss:.4f}", read=f"{read:.3f}", ops=ops, rounds=rounds)
             if log is not None:
-                row = {"step": step, "loss": loss, "max_ops": ops, "max_rounds": rounds,
-                       "time": time.time()}  # fmt: skip
+                row = {"step": step, "loss": loss, "read_loss": read, "max_ops": ops,
+                       "max_rounds": rounds, "time": time.time()}  # fmt: skip
                 log.write(json.dumps(row) + "\n")
                 log.flush()
         if every and (step + 1) % every == 0 and step + 1 < cfg.steps:
@@ -368,13 +447,19 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=d.rows)
     p.add_argument("--length", type=int, default=d.length)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--read-weight", type=float, default=d.read_weight,
+                   help="experimental: weight of the read supervision (0: off)")  # fmt: skip
+    p.add_argument("--read-layer", type=int, default=d.read_layer)
+    p.add_argument("--clock", type=float, default=d.clock,
+                   help="experimental: a number line in the round numbers' embeddings")  # fmt: skip
     p.add_argument("--every", type=int, default=250,
                    help="score held-out problems and write the folder every this many steps "
                    "(0: only at the end)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     cfg = TrainConfig(seed=args.seed, steps=args.steps, rows=args.rows, length=args.length,
-                      lr=args.lr)  # fmt: skip
+                      lr=args.lr, read_weight=args.read_weight, read_layer=args.read_layer,
+                      clock=args.clock)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "train_log.jsonl", "w") as log:
         _, losses = train(cfg, args.out, log=log, progress=not args.no_progress,
