@@ -247,7 +247,9 @@ def test_reads_point_at_the_tokens_holding_each_operand():
             assert (value(x), value(y)) == (int(evaluation[1]), int(evaluation[3]))
             checked += 1
     assert checked > 1000
-    batch = train.laid_out([[train.example(p, tok)] for p in task.problems(5, 2)], 400)
+    examples = [[train.example(p, tok)] for p in task.problems(5, 2)]
+    assert "sources" not in train.laid_out(examples, 400)  # only for the read supervision
+    batch = train.laid_out(examples, 400, sources=True)
     assert batch["sources"].shape == (2, 399, 2) and batch["source_weights"].sum() > 0
     assert (batch["sources"][batch["source_weights"] == 0] == 0).all()
 

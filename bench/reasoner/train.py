@@ -113,7 +113,8 @@ def example(problem: task.Problem, tok) -> tuple[list[int], int]:
 def example_length(ops: int, rounds: int) -> int:
     """The tokens a problem of `ops` ops over `rounds` rounds takes with its trace and end
     (every problem of that size: each token is one unit of the format)."""
-    vars_, loop, rounds_line, ask = 1 + 8 + 7 + 1, 1 + ops + (ops - 1) + 1, 2, 2
+    names = len(task.VARIABLES)
+    vars_, loop, rounds_line, ask = 1 + 2 * names, 1 + 2 * ops, 2, 2  # words, spaces, newline
     return vars_ + loop + rounds_line + ask + rounds * (2 + 2 * ops) + 2 + 1
 
 
@@ -156,13 +157,16 @@ def pack(rng: random.Random, tok, cfg: TrainConfig, step: int) -> dict[str, np.n
             row.append((seq, plen))
             at += len(seq)
         rows.append(row)
-    return laid_out(rows, cfg.length + 1)
+    return laid_out(rows, cfg.length + 1, sources=cfg.read_weight > 0)
 
 
-def laid_out(rows: list[list[tuple[list[int], int]]], t: int) -> dict[str, np.ndarray]:
+def laid_out(
+    rows: list[list[tuple[list[int], int]]], t: int, *, sources: bool = False
+) -> dict[str, np.ndarray]:
     """Rows of examples (token ids, prompt length) laid end to end in `t` tokens each, as a
     batch: inputs, targets, loss weights (the trace and its end), positions within each
-    example, segment ids (1, 2, ... per example; 0: padding) and the reads' sources (`reads`)."""
+    example, segment ids (1, 2, ... per example; 0: padding) and, with `sources`, where each
+    read finds its value (`reads`: what the read supervision needs, and only it)."""
     ids = np.zeros((len(rows), t), np.int32)
     weight = np.zeros((len(rows), t), np.float32)  # on the token predicted at this index
     pos = np.zeros((len(rows), t), np.int32)
@@ -176,19 +180,20 @@ def laid_out(rows: list[list[tuple[list[int], int]]], t: int) -> dict[str, np.nd
             weight[r, at + plen : at + len(seq)] = 1.0
             pos[r, at : at + len(seq)] = np.arange(len(seq))
             seg[r, at : at + len(seq)] = n
-            for i, x, y in reads(seq, plen):
+            for i, x, y in reads(seq, plen) if sources else ():
                 source[r, at + i] = at + x, at + y
                 source_weight[r, at + i] = 1.0
             at += len(seq)
-    return {
+    batch = {
         "inputs": ids[:, :-1],
         "targets": ids[:, 1:],
         "weights": weight[:, 1:],
         "positions": pos[:, :-1],
         "segments": seg[:, :-1],
-        "sources": source[:, :-1],
-        "source_weights": source_weight[:, :-1],
     }
+    if sources:
+        batch |= {"sources": source[:, :-1], "source_weights": source_weight[:, :-1]}
+    return batch
 
 
 def forward(model, batch, capture: int | None = None):
@@ -367,6 +372,14 @@ def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True, every
     tok = tokens.build()
     rng = random.Random(cfg.seed)
     held = task.problems(HELD_OUT_SEED, HELD_OUT_PROBLEMS) if every else []
+
+    def report(step: int) -> None:
+        score = {"step": step, "held_out": evaluate(model, tok, held), "time": time.time()}
+        bar.write(json.dumps(score), file=sys.stderr)
+        if log is not None:
+            log.write(json.dumps(score) + "\n")
+            log.flush()
+
     losses = []
     bar = tqdm(range(cfg.steps), desc="train", disable=not progress, file=sys.stderr)
     for step in bar:
@@ -386,16 +399,11 @@ def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True, every
                 log.write(json.dumps(row) + "\n")
                 log.flush()
         if every and (step + 1) % every == 0 and step + 1 < cfg.steps:
-            score = {"step": step, "held_out": evaluate(model, tok, held), "time": time.time()}
-            bar.write(json.dumps(score), file=sys.stderr)
-            if log is not None:
-                log.write(json.dumps(score) + "\n")
-                log.flush()
+            report(step)
             save(model, mcfg, cfg, out)
     save(model, mcfg, cfg, out)
-    if every and log is not None:
-        score = {"step": cfg.steps - 1, "held_out": evaluate(model, tok, held), "time": time.time()}
-        log.write(json.dumps(score) + "\n")
+    if every:
+        report(cfg.steps - 1)
     return model, losses
 
 
