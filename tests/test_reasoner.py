@@ -82,7 +82,8 @@ def test_the_tokenizer_encodes_every_text_and_the_engine_reads_it(tmp_path):
         text = p.prompt() + p.trace()
         enc = tok.encode(text)
         assert tokens.UNK not in enc.tokens and tok.decode(enc.ids) == text
-    assert tok.encode("rounds 12\nround 3\n").tokens == ["rounds ", "12\n", "round ", "3\n"]
+    assert tok.encode("rounds 12\nround 3\n").tokens == ["rounds 12\n", "round ", "3\n"]
+    assert tok.encode("rounds 41\n").tokens == ["rounds ", "4", "1\n"]  # out of range: encodes
     # Every round line is two tokens: a problem's rounds all span the same positions.
     assert {len(tok.encode(f"round {r}\n").ids) for r in range(1, 41)} == {2}
     # An op line is the op (the loop's own token) and its evaluation; a vars entry is one.
@@ -217,9 +218,9 @@ def test_example_length_is_exact_and_a_row_must_hold_the_longest():
     for i in range(200):
         p = task.sample(random.Random(i), ops=(1, 8), rounds=(1, 40))
         assert len(train.example(p, tok)[0]) == train.example_length(len(p.ops), p.rounds)
-    assert train.example_length(8, 40) == 761
+    assert train.example_length(8, 40) == 760
     cfg = train.TrainConfig(steps=1, length=512, start=(5, 20), end=(8, 40))
-    with pytest.raises(ValueError, match="8 ops over 40 rounds is 761 tokens"):
+    with pytest.raises(ValueError, match="8 ops over 40 rounds is 760 tokens"):
         train.train(cfg, None, progress=False)
 
 
@@ -259,15 +260,73 @@ def test_the_experimental_options_train_and_check_their_layer(tmp_path):
     cfg = train.TrainConfig(steps=2, rows=2, length=192, warmup=1, start=(2, 4), end=(2, 4),
                             read_weight=0.3, read_layer=1, clock=0.3,
                             shape=tuple(small.items()))  # fmt: skip
-    plain = train.init(train.TrainConfig(**{**cfg.__dict__, "clock": 0.0}))[0]
-    model = train.init(cfg)[0]
+    names, made_of = train.token_parts(clock=0.3)
     numbers = [tokens.VOCAB.index(t) for t in tokens.NUMBERS]
-    moved = np.abs(np.asarray(model.embed[...]) - np.asarray(plain.embed[...])).sum(-1) > 0
-    assert np.flatnonzero(moved).tolist() == numbers  # the clock touches the round numbers only
+    clock = made_of[:, names.index("clock")]
+    assert np.flatnonzero(clock).tolist() == numbers  # the clock is a part of round numbers only
+    assert clock[numbers] == pytest.approx(0.3 * np.arange(1, 41) / 40)
     with open(tmp_path / "log.jsonl", "w") as log:
         train.train(cfg, tmp_path / "m", progress=False, log=log)
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert rows[-1]["read_loss"] > 0
-    bad = train.TrainConfig(**{**cfg.__dict__, "read_layer": 2})
     with pytest.raises(ValueError, match="read_layer 2"):
-        train.init(bad)
+        train.init(train.TrainConfig(**{**cfg.__dict__, "read_layer": 2}))
+    with pytest.raises(ValueError, match="factored"):
+        train.init(train.TrainConfig(**{**cfg.__dict__, "factored": 0.0}))
+
+
+def test_factored_embeddings_share_parts_and_save_as_a_plain_table():
+    names, made_of = train.token_parts()
+    assert "clock" not in names
+
+    def parts(token):
+        return {names[c] for c in np.flatnonzero(made_of[tokens.VOCAB.index(token)])}
+
+    assert parts("=0+2=2\n") == {"x 0", "sign +", "y 2", "value 2"}
+    assert parts("a=d-b") == {"var a", "op x d", "op sign -", "op y b"}
+    assert parts("a=5") == {"var a", "value 5"}  # what an op's target and a result write
+    assert parts("7\n") == {"round line", "number 7"}
+    assert parts("rounds 7\n") == {"count", "number 7"}
+    assert parts("round ") == set() and parts("c\n") == set()
+    assert set(np.unique(made_of)) == {0.0, 1.0}
+    cfg = train.TrainConfig(shape=tuple(SMALL.items()))
+    trainee, _ = train.init(cfg)
+    made_of = train.token_parts(cfg.clock)[1]
+    table = np.asarray(trainee.model().embed[...])
+    own = np.asarray(trainee.decoder.embed[...])
+    rows = np.asarray(trainee.parts[...])
+    np.testing.assert_allclose(table[: len(made_of)], own[: len(made_of)] + made_of @ rows,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    np.testing.assert_array_equal(table[len(made_of) :], own[len(made_of) :])  # padding rows
+    trainee.model()
+    np.testing.assert_array_equal(np.asarray(trainee.decoder.embed[...]), own)  # rows its own
+    plain, _ = train.init(train.TrainConfig(factored=0.0, clock=0.0, shape=tuple(SMALL.items())))
+    assert plain.model() is plain.decoder and plain.parts.shape[0] == 0
+
+
+def test_read_accuracy_counts_the_writes_before_each_read(monkeypatch):
+    tok = tokens.build()
+    problems = task.problems(5, 12)
+    eos = tokens.VOCAB.index(tokens.EOS)
+
+    def traces(model, ps, tok, stale=False):
+        for p in ps:
+            want = np.array([*tok.encode(p.trace()).ids, eos])
+            got = want.copy()
+            first = dict(zip(task.VARIABLES, p.values, strict=True))
+            ops = iter([op for _ in range(p.rounds) for op in p.ops])
+            for i, t in enumerate(want):
+                if stale and tokens.VOCAB[t] in tokens.EVALS:  # reads the vars entries only
+                    _, x, s, y = next(ops)
+                    ev = tokens.VOCAB[t]
+                    got[i] = tokens.VOCAB.index(f"={first[x]}{s}{first[y]}={ev[5]}\n")
+            yield want, got
+
+    monkeypatch.setattr(train, "_predictions", traces)
+    perfect = train.read_accuracy(None, problems, tok)
+    assert set(perfect) == {"read: vars entry", "read: 1 write", "read: 2-4 writes",
+                            "read: 5+ writes"} and set(perfect.values()) == {1.0}  # fmt: skip
+    monkeypatch.setattr(train, "_predictions", lambda *a: traces(*a, stale=True))
+    stale = train.read_accuracy(None, problems, tok)
+    assert stale["read: vars entry"] == 1.0
+    assert all(stale[k] < 0.5 for k in stale if k != "read: vars entry")

@@ -2,16 +2,18 @@
 splitting pre-tokenizer, a fusing decoder) that `rkvjax.load` and transformers read like any
 other.
 
-A token is one unit of the task. An op line `a=d+b=0+2=2\n` is two tokens: the op `a=d+b`
-(the same token as in the `loop` line, so writing it is a copy) and its evaluation `=0+2=2\n`
-(the operands' values and the result, which they fix). A `vars` entry `a=5` is one token, as is
-a keyword with its space (`round `), a number with its newline (`14\n`) and an asked name with
-its newline (`c\n`); anything else is one character. So every token a model writes that needs
-memory carries its whole value: the evaluation needs the latest value of two variables, each of
-which sits in exactly one earlier token (an evaluation or a `vars` entry) that a cache policy
-either kept or lost. A round spans 2 x ops + 2 tokens whatever its number, so an op's line sits
-at a fixed distance from the same op's line a round earlier. Traces of 3-5 ops over 8-20 rounds
-are 67-243 tokens (with the end) after a prompt of 28-32; 8 ops over 40 rounds, 723.
+A token is one unit of the task. An op line `a=d+b=0+2=2\n` is two tokens: the op `a=d+b` (the
+same token as in the `loop` line, so writing it is a copy) and its evaluation `=0+2=2\n` (the
+operands' values and the result, which they fix). A `vars` entry `a=5` is one token, as is a
+keyword with its space (`round `), a round's number with its newline (`14\n`), the prompt's
+round count with its keyword (`rounds 14\n`: its own tokens, so that round numbers appear only
+in round lines) and an asked name with its newline (`c\n`); anything else is one character. So
+every token a model writes that needs memory carries its whole value: the evaluation needs the
+latest value of two variables, each of which sits in exactly one earlier token (an evaluation or
+a `vars` entry) that a cache policy either kept or lost. A round spans 2 x ops + 2 tokens
+whatever its number, so an op's line sits at a fixed distance from the same op's line a round
+earlier. Traces of 3-5 ops over 8-20 rounds are 67-243 tokens (with the end) after a prompt of
+27-31; 8 ops over 40 rounds, 723.
 """
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 KEYWORDS = ("vars ", "loop ", "rounds ", "round ", "ask ", "answer ")
 NAMES = "abcdefgh"
 DIGITS = "0123456789"
-NUMBERS = tuple(f"{n}\n" for n in range(1, 41))  # round numbers and the round count
+NUMBERS = tuple(f"{n}\n" for n in range(1, 41))  # round lines' numbers
+COUNTS = tuple(f"rounds {n}\n" for n in range(1, 41))  # the prompt's round count
 ASKS = tuple(f"{v}\n" for v in NAMES)
 ENTRIES = tuple(f"{v}={d}" for v in NAMES for d in DIGITS)  # the vars line's
 OPS = tuple(f"{t}={x}{s}{y}" for t in NAMES for x in NAMES for s in "+-" for y in NAMES)
 # Every evaluation, right or wrong, so that any text in the format encodes without <unk>.
 EVALS = tuple(f"={a}{s}{b}={v}\n" for a in DIGITS for s in "+-" for b in DIGITS for v in DIGITS)
 CHARS = tuple(NAMES + DIGITS + "=+- \n")
-VOCAB = (PAD, EOS, UNK, *KEYWORDS, *NUMBERS, *ASKS, *ENTRIES, *OPS, *EVALS, *CHARS)
-# First alternative that matches wins: `rounds ` before `round `, two-digit numbers first.
+# COUNTS last: the ids of the tokens before them are those of the first checkpoints' vocabulary.
+VOCAB = (PAD, EOS, UNK, *KEYWORDS, *NUMBERS, *ASKS, *ENTRIES, *OPS, *EVALS, *CHARS, *COUNTS)
+# First alternative that matches wins: a whole count before `rounds `, `rounds ` before
+# `round `, two-digit numbers first.
 _PATTERN = "|".join(
     (
+        "rounds (?:40|[1-3][0-9]|[1-9])\\n",
         "rounds |round |vars |loop |ask |answer ",
         "[a-h]=[a-h][+\\-][a-h]",
         "=[0-9][+\\-][0-9]=[0-9]\\n",

@@ -10,8 +10,10 @@ The model is rkvjax's own decoder (`rkvjax.models.decoder.Decoder`), so what is 
 exactly what the engine runs. Each row of a batch packs whole problems (prompt, trace, end of
 sequence) end to end; attention stays inside a problem and positions restart at each, so one
 compiled step serves every length. The loss counts the trace and its end, not the prompt (whose
-digits are random). Problems are drawn afresh for every batch from the seed, on a curriculum:
-the longest problems grow from short loops over a few rounds to the full range. The same seed
+digits are random). Problems are drawn afresh for every batch from the seed (a curriculum can
+grow their size; the default draws the full range from the start). Embeddings are factored
+while training (`token_parts`: an evaluation token's row adds rows for its operands, sign and
+value, shared with every token that has them), and written as one plain table. The same seed
 gives the same weights on the same machine.
 """
 
@@ -25,6 +27,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,17 +67,23 @@ class TrainConfig:
     start: tuple[int, int] = (5, 20)
     end: tuple[int, int] = (5, 20)
     grow: float = 0.6
-    # Experimental, off by default (the lead for the newest-write read, see bench/README):
+    # Experimental, off by default (measured no better, see bench/README "reasoner"):
     # read supervision, training only (the checkpoint stays a plain Llama): query heads 0 and
     # 1 of layer `read_layer` are taught where each op's operands sit (the token holding each
     # variable's latest value, known from the generator), with this weight on their
     # cross-entropy beside the language model's.
     read_weight: float = 0.0
     read_layer: int = 2
-    # A number line in the round numbers' embeddings at initialisation (`clock` x r / 40 along
-    # one random direction), so that averaging over the round lines written so far can tell
-    # how late a token is.
-    clock: float = 0.0
+    # Factored embeddings (a training parametrization; the checkpoint is a plain table): each
+    # token's row is its own plus the sum of its parts' rows (`token_parts`: an evaluation
+    # `=0+2=2\n` is "first operand 0" + "sign +" + "second operand 2" + "value 2", ...), so
+    # what one token teaches reaches every token that shares a part. The parts' rows start at
+    # this share of the table's scale, the tokens' own at 1 - it. 0: off.
+    factored: float = 0.5
+    # A number line in the round numbers' embeddings (`clock` x r / 40 times one learned
+    # direction, a part of every round number), so that averaging over the round lines
+    # written so far can tell how late a token is. Needs `factored`.
+    clock: float = 1.0
     shape: tuple[tuple[str, int], ...] = tuple(SHAPE.items())
 
 
@@ -114,7 +123,7 @@ def example_length(ops: int, rounds: int) -> int:
     """The tokens a problem of `ops` ops over `rounds` rounds takes with its trace and end
     (every problem of that size: each token is one unit of the format)."""
     names = len(task.VARIABLES)
-    vars_, loop, rounds_line, ask = 1 + 2 * names, 1 + 2 * ops, 2, 2  # words, spaces, newline
+    vars_, loop, rounds_line, ask = 1 + 2 * names, 1 + 2 * ops, 1, 2  # words, spaces, newline
     return vars_ + loop + rounds_line + ask + rounds * (2 + 2 * ops) + 2 + 1
 
 
@@ -245,14 +254,21 @@ def rows_of(problems: list[task.Problem], tok, multiple: int = 64) -> dict[str, 
     return laid_out([[s] for s in seqs], t)
 
 
+def _predictions(model, problems: list[task.Problem], tok, chunk: int = 16):
+    """Per problem (in order): its trace and end tokens, and the argmax at each given the right
+    tokens before it, int [n] each."""
+    for i in range(0, len(problems), chunk):
+        b = rows_of(problems[i : i + chunk], tok)
+        best = np.asarray(_argmax(model, {k: jnp.asarray(v) for k, v in b.items()}))
+        for want, got, w in zip(b["targets"], best, b["weights"] > 0, strict=True):
+            yield want[w], got[w]
+
+
 def _hits(model, problems: list[task.Problem], tok, chunk: int = 16):
     """Per problem (in order): whether each trace and end token is the argmax given the right
     tokens before it, bool [n]."""
-    for i in range(0, len(problems), chunk):
-        b = rows_of(problems[i : i + chunk], tok)
-        hit = np.asarray(_argmax(model, {k: jnp.asarray(v) for k, v in b.items()})) == b["targets"]
-        for row, w in zip(hit, b["weights"] > 0, strict=True):
-            yield row[w]
+    for want, got in _predictions(model, problems, tok, chunk):
+        yield want == got
 
 
 def teacher_forced(model, problems: list[task.Problem], tok, chunk: int = 16) -> dict:
@@ -300,9 +316,31 @@ def accuracy_by_kind(model, problems: list[task.Problem], tok) -> dict[str, floa
     return {k: float(np.mean(v)) for k, v in sorted(right.items())}
 
 
-def _loss(model, batch, read_layer: int, read_weight: float):
+def read_accuracy(model, problems: list[task.Problem], tok) -> dict[str, float]:
+    """Teacher-forced accuracy of each operand an evaluation reads (the evaluation token's value
+    for it), by how many writes of the variable precede the read: none (the vars entry), one,
+    2-4, 5 or more. A model that matches a read to every token naming the variable and not to
+    the newest reads the vars entry where one write follows it."""
+    buckets = ((0, "read: vars entry"), (1, "read: 1 write"), (4, "read: 2-4 writes"))
+    right: dict[str, list[bool]] = {}
+    for p, (want, got) in zip(problems, _predictions(model, problems, tok), strict=True):
+        evaluations = [(w, g) for w, g in zip(want, got, strict=True)
+                       if tokens.VOCAB[w] in tokens.EVALS]  # fmt: skip
+        writes = dict.fromkeys(task.VARIABLES, 0)
+        ops = [op for _ in range(p.rounds) for op in p.ops]
+        for (target, x, _, y), (w, g) in zip(ops, evaluations, strict=True):
+            w, g = tokens.VOCAB[w], tokens.VOCAB[g]
+            for at, var in ((1, x), (3, y)):  # `=x+y=v\n`: the operands' characters
+                n = writes[var]
+                key = next((k for top, k in buckets if n <= top), "read: 5+ writes")
+                right.setdefault(key, []).append(g in tokens.EVALS and g[at] == w[at])
+            writes[target] += 1
+    return {k: float(np.mean(v)) for k, v in sorted(right.items())}
+
+
+def _loss(trainee: Trainee, batch, read_layer: int, read_weight: float):
     capture = read_layer if read_weight else None
-    out, qk, mask = forward(model, batch, capture=capture)
+    out, qk, mask = forward(trainee.model(), batch, capture=capture)
     ce = optax.softmax_cross_entropy_with_integer_labels(out, batch["targets"])
     w = batch["weights"]  # the trace's tokens and its end only
     lm = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
@@ -311,39 +349,100 @@ def _loss(model, batch, read_layer: int, read_weight: float):
 
 
 @nnx.jit(static_argnames=("read_layer", "read_weight"))
-def train_step(model, optimizer, batch, read_layer: int = 2, read_weight: float = 0.0):
+def train_step(trainee: Trainee, optimizer, batch, read_layer: int = 2, read_weight: float = 0.0):
     """One optimizer step; returns (language-model loss, read loss: 0 without supervision)."""
     grad_fn = nnx.value_and_grad(_loss, has_aux=True)
-    (_, parts), grads = grad_fn(model, batch, read_layer, read_weight)
-    optimizer.update(model, grads)
+    (_, parts), grads = grad_fn(trainee, batch, read_layer, read_weight)
+    optimizer.update(trainee, grads)
     return parts
 
 
-def optimizer_for(model, cfg: TrainConfig) -> nnx.Optimizer:
+def optimizer_for(trainee: Trainee, cfg: TrainConfig) -> nnx.Optimizer:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, cfg.steps, end_value=cfg.lr / 20
     )
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.clip), optax.adamw(schedule, weight_decay=cfg.weight_decay)
     )
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return nnx.Optimizer(trainee, tx, wrt=nnx.Param)
 
 
-def init(cfg: TrainConfig):
+def token_parts(clock: float = 0.0) -> tuple[tuple[str, ...], np.ndarray]:
+    """The parts tokens are made of and how much of each a token holds [V, P]: an evaluation's
+    operands, sign and value, an op's target, operands and sign, a vars entry's variable and
+    value (the same parts as an op's target and an evaluation's value: both write a variable),
+    a round line's number and the prompt's round count (the same number part), and
+    with `clock`, the round lines' number line (r / 40 x `clock`). Other tokens have none."""
+    names: dict[str, int] = {}
+    made_of: list[dict[int, float]] = []
+
+    def ids(*parts: str) -> dict[int, float]:
+        return {names.setdefault(p, len(names)): 1.0 for p in parts}
+
+    for t in tokens.VOCAB:
+        if t in tokens.EVALS:  # =a+b=v\n
+            made_of.append(ids(f"x {t[1]}", f"sign {t[2]}", f"y {t[3]}", f"value {t[5]}"))
+        elif t in tokens.OPS:  # t=x+y
+            made_of.append(ids(f"var {t[0]}", f"op x {t[2]}", f"op sign {t[3]}", f"op y {t[4]}"))
+        elif t in tokens.ENTRIES:  # v=d
+            made_of.append(ids(f"var {t[0]}", f"value {t[2]}"))
+        elif t in tokens.NUMBERS:  # a round line's: r\n
+            made_of.append(ids("round line", f"number {t[:-1]}"))
+            if clock:
+                made_of[-1][names.setdefault("clock", len(names))] = clock * int(t) / 40
+        elif t in tokens.COUNTS:  # rounds N\n: the same number, so a round can tell it is last
+            made_of.append(ids("count", f"number {t[7:-1]}"))
+        else:
+            made_of.append({})
+    matrix = np.zeros((len(tokens.VOCAB), len(names)), np.float32)
+    for row, parts in enumerate(made_of):
+        for col, w in parts.items():
+            matrix[row, col] = w
+    return tuple(names), matrix
+
+
+class Fixed(nnx.Variable):
+    """A constant that training carries and never optimizes."""
+
+
+class Trainee(nnx.Module):
+    """What training optimizes: the decoder and, with factored embeddings, the parts' rows that
+    its embedding table's rows add (`model()` is the decoder with them added: what is scored
+    and saved)."""
+
+    def __init__(self, decoder, made_of: np.ndarray, share: float, key: jax.Array):
+        self.decoder = decoder
+        v, d = decoder.embed[...].shape
+        pad = np.zeros((v, made_of.shape[1]), np.float32)  # the table's rows past the vocabulary
+        pad[: len(made_of)] = made_of
+        self.made_of = Fixed(jnp.asarray(pad))  # [V, P]
+        scale = jnp.std(decoder.embed[...])
+        if made_of.shape[1]:
+            decoder.embed[...] = decoder.embed[...] * (1.0 - share)
+        self.parts = nnx.Param(jax.random.normal(key, (pad.shape[1], d)) * scale * share)
+
+    def model(self):
+        """The decoder whose embedding table holds each token's own row plus its parts'."""
+        if not self.parts.shape[0]:
+            return self.decoder
+        graphdef, state = nnx.split(self.decoder)
+        state = jax.tree.map(lambda x: x, state)  # new variables: the trainee's stay its own
+        state["embed"][...] = state["embed"][...] + self.made_of[...] @ self.parts[...]
+        return nnx.merge(graphdef, state)
+
+
+def init(cfg: TrainConfig) -> tuple[Trainee, Any]:
     from rkvjax.convert.hf_config import parse_hf_config
     from rkvjax.models.decoder import Decoder
 
     mcfg = parse_hf_config(hf_config(cfg), "the reasoner's config")
     if cfg.read_weight and not 0 <= cfg.read_layer < mcfg.num_layers:
         raise ValueError(f"read_layer {cfg.read_layer}: the model has {mcfg.num_layers} layers")
-    model = Decoder(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
-    if cfg.clock:
-        u = jax.random.normal(jax.random.key(cfg.seed + 1), (mcfg.embed,))
-        ids = jnp.array([tokens.VOCAB.index(t) for t in tokens.NUMBERS])
-        r = jnp.arange(1, len(ids) + 1) / len(ids)
-        line = cfg.clock * r[:, None] * (u / jnp.linalg.norm(u))[None]  # [40, D]
-        model.embed[...] = model.embed[...].at[ids].add(line)
-    return model, mcfg
+    if cfg.clock and not cfg.factored:
+        raise ValueError("the clock is a part of the round numbers: it needs factored embeddings")
+    decoder = Decoder(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
+    made_of = token_parts(cfg.clock)[1] if cfg.factored else np.zeros((len(tokens.VOCAB), 0))
+    return Trainee(decoder, made_of, cfg.factored, jax.random.key(cfg.seed + 1)), mcfg
 
 
 # Held-out problems scored during training (teacher-forced, so a score is one forward): the
@@ -352,8 +451,12 @@ HELD_OUT_SEED, HELD_OUT_PROBLEMS = 77_777, 64
 
 
 def evaluate(model, tok, problems: list[task.Problem]) -> dict:
-    """Teacher-forced exact and token accuracy and accuracy per token kind, rounded."""
-    score = {**teacher_forced(model, problems, tok), **accuracy_by_kind(model, problems, tok)}
+    """Teacher-forced exact and token accuracy, accuracy per token kind and per read, rounded."""
+    score = {
+        **teacher_forced(model, problems, tok),
+        **accuracy_by_kind(model, problems, tok),
+        **read_accuracy(model, problems, tok),
+    }
     return {k: round(v, 4) for k, v in score.items()}
 
 
@@ -367,14 +470,15 @@ def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True, every
     if longest > cfg.length + 1:
         raise ValueError(f"a problem of {cfg.end[0]} ops over {cfg.end[1]} rounds is {longest} "
                          f"tokens, more than a row of --length {cfg.length} + 1 holds")  # fmt: skip
-    model, mcfg = init(cfg)
-    optimizer = optimizer_for(model, cfg)
+    trainee, mcfg = init(cfg)
+    optimizer = optimizer_for(trainee, cfg)
     tok = tokens.build()
     rng = random.Random(cfg.seed)
     held = task.problems(HELD_OUT_SEED, HELD_OUT_PROBLEMS) if every else []
 
     def report(step: int) -> None:
-        score = {"step": step, "held_out": evaluate(model, tok, held), "time": time.time()}
+        held_out = evaluate(trainee.model(), tok, held)
+        score = {"step": step, "held_out": held_out, "time": time.time()}
         bar.write(json.dumps(score), file=sys.stderr)
         if log is not None:
             log.write(json.dumps(score) + "\n")
@@ -384,7 +488,7 @@ def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True, every
     bar = tqdm(range(cfg.steps), desc="train", disable=not progress, file=sys.stderr)
     for step in bar:
         batch = pack(rng, tok, cfg, step)
-        parts = train_step(model, optimizer, {k: jnp.asarray(v) for k, v in batch.items()},
+        parts = train_step(trainee, optimizer, {k: jnp.asarray(v) for k, v in batch.items()},
                            read_layer=cfg.read_layer, read_weight=cfg.read_weight)  # fmt: skip
         loss, read = (float(x) for x in parts)
         if not math.isfinite(loss):
@@ -400,7 +504,8 @@ def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True, every
                 log.flush()
         if every and (step + 1) % every == 0 and step + 1 < cfg.steps:
             report(step)
-            save(model, mcfg, cfg, out)
+            save(trainee.model(), mcfg, cfg, out)
+    model = trainee.model()
     save(model, mcfg, cfg, out)
     if every:
         report(cfg.steps - 1)
@@ -458,8 +563,10 @@ def main(argv=None) -> None:
     p.add_argument("--read-weight", type=float, default=d.read_weight,
                    help="experimental: weight of the read supervision (0: off)")  # fmt: skip
     p.add_argument("--read-layer", type=int, default=d.read_layer)
+    p.add_argument("--factored", type=float, default=d.factored,
+                   help="the parts' share of the embeddings at first (0: no parts)")  # fmt: skip
     p.add_argument("--clock", type=float, default=d.clock,
-                   help="experimental: a number line in the round numbers' embeddings")  # fmt: skip
+                   help="a number line in the round numbers' embeddings (0: none)")  # fmt: skip
     p.add_argument("--every", type=int, default=250,
                    help="score held-out problems and write the folder every this many steps "
                    "(0: only at the end)")  # fmt: skip
@@ -467,7 +574,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     cfg = TrainConfig(seed=args.seed, steps=args.steps, rows=args.rows, length=args.length,
                       lr=args.lr, read_weight=args.read_weight, read_layer=args.read_layer,
-                      clock=args.clock)  # fmt: skip
+                      factored=args.factored, clock=args.clock)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "train_log.jsonl", "w") as log:
         _, losses = train(cfg, args.out, log=log, progress=not args.no_progress,
