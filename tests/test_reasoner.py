@@ -330,3 +330,15 @@ def test_read_accuracy_counts_the_writes_before_each_read(monkeypatch):
     stale = train.read_accuracy(None, problems, tok)
     assert stale["read: vars entry"] == 1.0
     assert all(stale[k] < 0.5 for k in stale if k != "read: vars entry")
+
+
+def test_reread_draws_operands_from_the_loops_targets():
+    cfg = train.TrainConfig()
+    plain = [train.training_problem(random.Random(i), cfg, 5, 20) for i in range(50)]
+    assert plain == [task.sample(random.Random(i), ops=(1, 5), rounds=(1, 20)) for i in range(50)]
+    always = train.TrainConfig(reread=1.0)
+    for i in range(50):
+        p = train.training_problem(random.Random(i), always, 5, 20)
+        targets = {t for t, *_ in p.ops}
+        assert all(x in targets and y in targets for _, x, _, y in p.ops)
+        assert p.trace().endswith(f"answer {p.answer()}")

@@ -74,6 +74,11 @@ class TrainConfig:
     # cross-entropy beside the language model's.
     read_weight: float = 0.0
     read_layer: int = 2
+    # The share of operands drawn from the loop's own targets instead of all eight variables
+    # (training problems only; evaluation keeps the task's uniform draw). Uniform operands
+    # mostly read a vars entry (two thirds of the reads of 3-5 op problems), and the read that
+    # fails, a variable written once or a few times before, is rare in the data.
+    reread: float = 0.0
     # Factored embeddings (a training parametrization; the checkpoint is a plain table): each
     # token's row is its own plus the sum of its parts' rows (`token_parts`: an evaluation
     # `=0+2=2\n` is "first operand 0" + "sign +" + "second operand 2" + "value 2", ...), so
@@ -110,6 +115,20 @@ def limits(cfg: TrainConfig, step: int) -> tuple[int, int]:
     """The curriculum's (max ops, max rounds) at `step`."""
     f = min(1.0, step / max(1, cfg.grow * cfg.steps))
     return tuple(round(a + f * (b - a)) for a, b in zip(cfg.start, cfg.end, strict=True))
+
+
+def training_problem(rng: random.Random, cfg: TrainConfig, ops: int, rounds: int) -> task.Problem:
+    """A problem of 1..`ops` ops over 1..`rounds` rounds; with `cfg.reread`, each operand is
+    one of the loop's targets with that probability."""
+    p = task.sample(rng, ops=(1, ops), rounds=(1, rounds))
+    if not cfg.reread:
+        return p
+    targets = sorted({t for t, *_ in p.ops})
+
+    def operand(v: str) -> str:
+        return rng.choice(targets) if rng.random() < cfg.reread else v
+
+    return dataclasses.replace(p, ops=tuple((t, operand(x), s, operand(y)) for t, x, s, y in p.ops))
 
 
 def example(problem: task.Problem, tok) -> tuple[list[int], int]:
@@ -157,7 +176,7 @@ def pack(rng: random.Random, tok, cfg: TrainConfig, step: int) -> dict[str, np.n
     for _ in range(cfg.rows):
         row, at = [], 0
         while True:
-            p = task.sample(rng, ops=(1, max_ops), rounds=(1, max_rounds))
+            p = training_problem(rng, cfg, max_ops, max_rounds)
             seq, plen = example(p, tok)
             if at + len(seq) > cfg.length + 1:
                 if at == 0:  # longer than a row: draw again
@@ -563,6 +582,8 @@ def main(argv=None) -> None:
     p.add_argument("--read-weight", type=float, default=d.read_weight,
                    help="experimental: weight of the read supervision (0: off)")  # fmt: skip
     p.add_argument("--read-layer", type=int, default=d.read_layer)
+    p.add_argument("--reread", type=float, default=d.reread,
+                   help="share of training operands drawn from the loop's targets")  # fmt: skip
     p.add_argument("--factored", type=float, default=d.factored,
                    help="the parts' share of the embeddings at first (0: no parts)")  # fmt: skip
     p.add_argument("--clock", type=float, default=d.clock,
@@ -574,7 +595,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     cfg = TrainConfig(seed=args.seed, steps=args.steps, rows=args.rows, length=args.length,
                       lr=args.lr, read_weight=args.read_weight, read_layer=args.read_layer,
-                      factored=args.factored, clock=args.clock)  # fmt: skip
+                      reread=args.reread, factored=args.factored, clock=args.clock)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "train_log.jsonl", "w") as log:
         _, losses = train(cfg, args.out, log=log, progress=not args.no_progress,
