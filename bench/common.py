@@ -324,9 +324,12 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_methods_argument(p: argparse.ArgumentParser, default: Sequence[str], full=False) -> None:
+def add_methods_argument(
+    p: argparse.ArgumentParser, default: Sequence[str], full=False, calibrated_on: str | None = None
+) -> None:
     """--methods: any registered cache policy (and "full" where `full`), plug-ins included
-    ($RKVJAX_POLICIES); --calibration for the methods that read statistics of the model."""
+    ($RKVJAX_POLICIES); --calibration for the methods that read statistics of the model
+    (`calibrated_on` says what a suite calibrates on when it is not given)."""
     choices = config.method_names() if full else policies.names()
     p.add_argument(
         "--methods",
@@ -340,7 +343,8 @@ def add_methods_argument(p: argparse.ArgumentParser, default: Sequence[str], ful
         type=Path,
         default=None,
         help="`rkvjax calibrate`'s statistics for triattention (default: calibrated here once, "
-        f"on the last {CALIBRATION_PROMPTS} MATH-500 problems, and kept in the suite's folder)",
+        f"on {calibrated_on or f'the last {CALIBRATION_PROMPTS} MATH-500 problems'}, and kept in "
+        "the suite's folder)",
     )
 
 
