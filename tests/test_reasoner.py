@@ -4,8 +4,10 @@ written with, and the training program (reproducible from a seed, loadable by th
 import json
 import random
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import rkvjax
 from bench.reasoner import task, tokens, train
@@ -13,7 +15,7 @@ from bench.reasoner import task, tokens, train
 SMALL = dict(
     hidden_size=32,
     intermediate_size=64,
-    num_hidden_layers=1,
+    num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=1,
     head_dim=16,
@@ -122,7 +124,7 @@ def test_hf_tensors_inverts_loading(tiny_checkpoint):
 def test_training_is_reproducible_and_the_engine_runs_its_folder(tmp_path):
     """The same seed gives the same weights; the folder loads and generates through rkvjax."""
     cfg = train.TrainConfig(steps=3, rows=2, length=192, warmup=1, start=(2, 4), end=(2, 4),
-                            shape=tuple(SMALL.items()))  # fmt: skip
+                            read_layer=1, shape=tuple(SMALL.items()))  # fmt: skip
     with open(tmp_path / "log.jsonl", "w") as log:
         a, losses = train.train(cfg, tmp_path / "a", progress=False, log=log, every=2)
     train.train(cfg, tmp_path / "b", progress=False)
@@ -255,8 +257,8 @@ def test_reads_point_at_the_tokens_holding_each_operand():
     assert (batch["sources"][batch["source_weights"] == 0] == 0).all()
 
 
-def test_the_experimental_options_train_and_check_their_layer(tmp_path):
-    small = dict(SMALL, num_hidden_layers=2)
+def test_read_supervision_and_the_clock_train_and_check_their_layer(tmp_path):
+    small = SMALL
     cfg = train.TrainConfig(steps=2, rows=2, length=192, warmup=1, start=(2, 4), end=(2, 4),
                             read_weight=0.3, read_layer=1, clock=0.3,
                             shape=tuple(small.items()))  # fmt: skip
@@ -289,7 +291,7 @@ def test_factored_embeddings_share_parts_and_save_as_a_plain_table():
     assert parts("rounds 7\n") == {"count", "number 7"}
     assert parts("round ") == set() and parts("c\n") == set()
     assert set(np.unique(made_of)) == {0.0, 1.0}
-    cfg = train.TrainConfig(shape=tuple(SMALL.items()))
+    cfg = train.TrainConfig(read_layer=1, shape=tuple(SMALL.items()))
     trainee, _ = train.init(cfg)
     made_of = train.token_parts(cfg.clock)[1]
     table = np.asarray(trainee.model().embed[...])
@@ -300,7 +302,9 @@ def test_factored_embeddings_share_parts_and_save_as_a_plain_table():
     np.testing.assert_array_equal(table[len(made_of) :], own[len(made_of) :])  # padding rows
     trainee.model()
     np.testing.assert_array_equal(np.asarray(trainee.decoder.embed[...]), own)  # rows its own
-    plain, _ = train.init(train.TrainConfig(factored=0.0, clock=0.0, shape=tuple(SMALL.items())))
+    plain, _ = train.init(
+        train.TrainConfig(factored=0.0, clock=0.0, read_layer=1, shape=tuple(SMALL.items()))
+    )
     assert plain.model() is plain.decoder and plain.parts.shape[0] == 0
 
 
@@ -342,3 +346,52 @@ def test_reread_draws_operands_from_the_loops_targets():
         targets = {t for t, *_ in p.ops}
         assert all(x in targets and y in targets for _, x, _, y in p.ops)
         assert p.trace().endswith(f"answer {p.answer()}")
+
+
+def test_the_attention_biases_learn_at_their_own_rate():
+    """The q/k/v biases (and only they) are the "bias" group, stepped at `bias_lr` x the rate:
+    Adam's first step moves each parameter by its learning rate."""
+    cfg = train.TrainConfig(steps=20, warmup=0, lr=1e-3, bias_lr=10.0, rows=2, length=192,
+                            start=(2, 4), end=(2, 4), read_layer=1,
+                            shape=tuple(SMALL.items()))  # fmt: skip
+    trainee, mcfg = train.init(cfg)
+    assert mcfg.qkv_bias and mcfg.o_bias and train.hf_config(cfg)["attention_bias"] is True
+    groups = jax.tree_util.tree_leaves_with_path(train.param_groups(nnx.state(trainee, nnx.Param)))
+    biased = [jax.tree_util.keystr(k) for k, g in groups if g == "bias"]
+    assert len(biased) == SMALL["num_hidden_layers"] and all("bqkv" in k for k in biased)
+    attn = trainee.decoder.layers[0].attn
+    w0, b0 = np.array(attn.wqkv[...]), np.array(attn.bqkv[...])
+    batch = train.pack(random.Random(0), tokens.build(), cfg, 0)
+    train.train_step(trainee, train.optimizer_for(trainee, cfg),
+                     {k: jax.numpy.asarray(v) for k, v in batch.items()},
+                     read_layer=1, read_weight=cfg.read_weight)  # fmt: skip
+    moved_w = np.median(np.abs(np.asarray(attn.wqkv[...]) - w0))
+    moved_b = np.median(np.abs(np.asarray(attn.bqkv[...]) - b0))
+    assert moved_w == pytest.approx(1e-3, rel=0.05) and moved_b == pytest.approx(1e-2, rel=0.05)
+
+
+def test_a_second_stage_starts_from_a_folder_and_refuses_another_shape(tmp_path):
+    """--init: the trainee starts as the folder's model (the same logits; factored parts at
+    zero), trains on, and a folder of another shape is refused by name."""
+    cfg = train.TrainConfig(steps=2, rows=2, length=192, warmup=1, start=(2, 4), end=(2, 4),
+                            read_layer=1, shape=tuple(SMALL.items()))  # fmt: skip
+    first, _ = train.train(cfg, tmp_path / "a", progress=False)
+    again = train.TrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "a"), "seed": 5})
+    trainee, _ = train.init(again)
+    batch = train.rows_of(task.problems(0, 2, ops=(2, 2), rounds=(2, 3)), tokens.build())
+    np.testing.assert_allclose(
+        np.asarray(train.logits(trainee.model(), batch)),
+        np.asarray(train.logits(first, batch)),
+        atol=1e-5,
+    )
+    _, losses = train.train(again, tmp_path / "b", progress=False)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() != (
+        tmp_path / "a" / "model.safetensors"
+    ).read_bytes()
+    wider = dict(SMALL, hidden_size=2 * SMALL["hidden_size"])
+    other = train.TrainConfig(**{**again.__dict__, "shape": tuple(wider.items())})
+    with pytest.raises(SystemExit, match=r"config.json: not this shape \(hidden_size"):
+        train.init(other)
+    with pytest.raises(SystemExit, match="no reasoner to start from"):
+        train.init(train.TrainConfig(**{**again.__dict__, "init": str(tmp_path / "none")}))

@@ -15,6 +15,11 @@ grow their size; the default draws the full range from the start). Embeddings ar
 while training (`token_parts`: an evaluation token's row adds rows for its operands, sign and
 value, shared with every token that has them), and written as one plain table. The same seed
 gives the same weights on the same machine.
+
+What makes a model this size learn the task (bench/README.md, "reasoner"): Llama's attention
+biases, learning `bias_lr` times faster than the rest, and read supervision on two heads of one
+layer. Both are training-time choices: the folder is a plain Llama checkpoint. The defaults
+write the committed `bench/reasoner/model` in about 68 minutes on two CPU cores.
 """
 
 from __future__ import annotations
@@ -67,13 +72,20 @@ class TrainConfig:
     start: tuple[int, int] = (5, 20)
     end: tuple[int, int] = (5, 20)
     grow: float = 0.6
-    # Experimental, off by default (measured no better, see bench/README "reasoner"):
-    # read supervision, training only (the checkpoint stays a plain Llama): query heads 0 and
+    # Read supervision, training only (the checkpoint stays a plain Llama): query heads 0 and
     # 1 of layer `read_layer` are taught where each op's operands sit (the token holding each
     # variable's latest value, known from the generator), with this weight on their
-    # cross-entropy beside the language model's.
-    read_weight: float = 0.0
+    # cross-entropy beside the language model's. With `attention_bias` it is what lets the
+    # model read a variable's newest value (bench/README "reasoner"); 0: off.
+    read_weight: float = 0.3
     read_layer: int = 2
+    # Llama's `attention_bias`: q/k/v/o biases. A query bias and a key bias make a positional
+    # kernel of their own (b_q . R(t - s) b_k, whatever the tokens), which is how the read heads
+    # come to prefer a variable's newest write over its older ones and its `vars` entry. The
+    # kernel needs amplitudes of tens while Adam moves a parameter by about the learning rate a
+    # step, so the q/k/v biases learn `bias_lr` times faster (and without weight decay).
+    attention_bias: bool = True
+    bias_lr: float = 10.0
     # The share of operands drawn from the loop's own targets instead of all eight variables
     # (training problems only; evaluation keeps the task's uniform draw). Uniform operands
     # mostly read a vars entry (two thirds of the reads of 3-5 op problems), and the read that
@@ -90,6 +102,10 @@ class TrainConfig:
     # written so far can tell how late a token is. Needs `factored`.
     clock: float = 1.0
     shape: tuple[tuple[str, int], ...] = tuple(SHAPE.items())
+    # A reasoner folder to start from instead of the seed's initialisation (a second stage:
+    # the same shape, trained further on another curriculum). Its embedding table is each
+    # token's own row; factored parts start at zero.
+    init: str | None = None
 
 
 def hf_config(cfg: TrainConfig) -> dict:
@@ -103,7 +119,7 @@ def hf_config(cfg: TrainConfig) -> dict:
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
         **dict(cfg.shape),  # the sizes, and any default above it overrides (rope_theta, ...)
-        "attention_bias": False,
+        "attention_bias": cfg.attention_bias,
         "bos_token_id": None,
         "eos_token_id": tokens.VOCAB.index(tokens.EOS),
         "pad_token_id": tokens.VOCAB.index(tokens.PAD),
@@ -376,12 +392,32 @@ def train_step(trainee: Trainee, optimizer, batch, read_layer: int = 2, read_wei
     return parts
 
 
+def _schedule(cfg: TrainConfig, scale: float = 1.0):
+    """Linear warm-up over `cfg.warmup` steps (a tenth of a run too short for them), then a
+    cosine decay to a twentieth of the peak."""
+    peak, warmup = cfg.lr * scale, min(cfg.warmup, cfg.steps // 10)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, cfg.steps, end_value=peak / 20)
+
+
+def param_groups(params) -> Any:
+    """ "bias" for the attention's q/k/v biases (`TrainConfig.bias_lr`), "rest" for the others."""
+
+    def group(path, _) -> str:
+        return "bias" if "bqkv" in jax.tree_util.keystr(path) else "rest"
+
+    return jax.tree_util.tree_map_with_path(group, params)
+
+
 def optimizer_for(trainee: Trainee, cfg: TrainConfig) -> nnx.Optimizer:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup, cfg.steps, end_value=cfg.lr / 20
-    )
     tx = optax.chain(
-        optax.clip_by_global_norm(cfg.clip), optax.adamw(schedule, weight_decay=cfg.weight_decay)
+        optax.clip_by_global_norm(cfg.clip),
+        optax.multi_transform(
+            {
+                "rest": optax.adamw(_schedule(cfg), weight_decay=cfg.weight_decay),
+                "bias": optax.adamw(_schedule(cfg, cfg.bias_lr), weight_decay=0.0),
+            },
+            param_groups,
+        ),
     )
     return nnx.Optimizer(trainee, tx, wrt=nnx.Param)
 
@@ -459,14 +495,34 @@ def init(cfg: TrainConfig) -> tuple[Trainee, Any]:
         raise ValueError(f"read_layer {cfg.read_layer}: the model has {mcfg.num_layers} layers")
     if cfg.clock and not cfg.factored:
         raise ValueError("the clock is a part of the round numbers: it needs factored embeddings")
-    decoder = Decoder(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
     made_of = token_parts(cfg.clock)[1] if cfg.factored else np.zeros((len(tokens.VOCAB), 0))
-    return Trainee(decoder, made_of, cfg.factored, jax.random.key(cfg.seed + 1)), mcfg
+    if cfg.init is None:
+        decoder = Decoder(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
+        return Trainee(decoder, made_of, cfg.factored, jax.random.key(cfg.seed + 1)), mcfg
+    return Trainee(start_from(Path(cfg.init), cfg), made_of, 0.0, jax.random.key(0)), mcfg
+
+
+def start_from(folder: Path, cfg: TrainConfig):
+    """The decoder of the reasoner in `folder`, which must have the config `cfg` writes."""
+    import rkvjax
+
+    path = folder / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"{folder}: no reasoner to start from (no config.json)")
+    theirs, mine = json.loads(path.read_text()), hf_config(cfg)
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differ:
+        what = ", ".join(f"{k}: {theirs.get(k)} here, {mine.get(k)} wanted" for k in differ)
+        raise SystemExit(f"{path}: not this shape ({what})")
+    return rkvjax.load(folder, dtype="float32").decoder
 
 
 # Held-out problems scored during training (teacher-forced, so a score is one forward): the
 # acceptance range, from a seed no training batch and no suite problem set uses.
 HELD_OUT_SEED, HELD_OUT_PROBLEMS = 77_777, 64
+# Where the curriculum reaches past the acceptance range's 20 rounds, also problems of its
+# longest (3-5 ops): "held_out_long" in the log.
+LONG_SEED, LONG_PROBLEMS = 77_778, 32
 
 
 def evaluate(model, tok, problems: list[task.Problem]) -> dict:
@@ -494,10 +550,17 @@ def train(cfg: TrainConfig, out: Path, *, log=None, progress: bool = True, every
     tok = tokens.build()
     rng = random.Random(cfg.seed)
     held = task.problems(HELD_OUT_SEED, HELD_OUT_PROBLEMS) if every else []
+    most = max(cfg.start[1], cfg.end[1])
+    long = task.problems(LONG_SEED, LONG_PROBLEMS, rounds=(most, most)) if most > 20 else []
+    long = long if every else []
 
     def report(step: int) -> None:
-        held_out = evaluate(trainee.model(), tok, held)
-        score = {"step": step, "held_out": held_out, "time": time.time()}
+        model = trainee.model()
+        score = {"step": step, "held_out": evaluate(model, tok, held)}
+        if long:
+            score["held_out_long"] = {"rounds": most, **{k: round(v, 4) for k, v in
+                                      teacher_forced(model, long, tok).items()}}  # fmt: skip
+        score["time"] = time.time()
         bar.write(json.dumps(score), file=sys.stderr)
         if log is not None:
             log.write(json.dumps(score) + "\n")
@@ -580,22 +643,42 @@ def main(argv=None) -> None:
     p.add_argument("--length", type=int, default=d.length)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--read-weight", type=float, default=d.read_weight,
-                   help="experimental: weight of the read supervision (0: off)")  # fmt: skip
+                   help="weight of the read supervision (0: off)")  # fmt: skip
     p.add_argument("--read-layer", type=int, default=d.read_layer)
+    p.add_argument("--bias-lr", type=float, default=d.bias_lr,
+                   help="the q/k/v biases' learning rate over --lr")  # fmt: skip
+    p.add_argument("--no-attention-bias", action="store_true",
+                   help="a Llama without q/k/v/o biases (the reads are not learnt)")  # fmt: skip
     p.add_argument("--reread", type=float, default=d.reread,
                    help="share of training operands drawn from the loop's targets")  # fmt: skip
     p.add_argument("--factored", type=float, default=d.factored,
                    help="the parts' share of the embeddings at first (0: no parts)")  # fmt: skip
     p.add_argument("--clock", type=float, default=d.clock,
                    help="a number line in the round numbers' embeddings (0: none)")  # fmt: skip
+    p.add_argument("--init", type=Path, default=None,
+                   help="a reasoner folder to train further (the same shape) instead of the "
+                   "seed's initialisation")  # fmt: skip
+    p.add_argument(
+        "--max-rounds",
+        type=int,
+        default=d.end[1],
+        help="the longest training problems' rounds (ops up to 5 throughout)",
+    )
+    p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--every", type=int, default=250,
                    help="score held-out problems and write the folder every this many steps "
                    "(0: only at the end)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.init is not None and args.init.resolve() == args.out.resolve():
+        p.error(f"--init {args.init} is the folder to write: write the new stage elsewhere")
     cfg = TrainConfig(seed=args.seed, steps=args.steps, rows=args.rows, length=args.length,
                       lr=args.lr, read_weight=args.read_weight, read_layer=args.read_layer,
-                      reread=args.reread, factored=args.factored, clock=args.clock)  # fmt: skip
+                      reread=args.reread, factored=args.factored, clock=args.clock,
+                      attention_bias=not args.no_attention_bias, bias_lr=args.bias_lr,
+                      warmup=args.warmup, start=(d.start[0], args.max_rounds),
+                      end=(d.end[0], args.max_rounds),
+                      init=None if args.init is None else str(args.init))  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "train_log.jsonl", "w") as log:
         _, losses = train(cfg, args.out, log=log, progress=not args.no_progress,
