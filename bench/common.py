@@ -515,7 +515,8 @@ def write_plot(folder: Path, draw: Callable, rows: list[dict]) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "plot.png"
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure that chose its own layout keeps it
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"plot: {path}", file=sys.stderr)

@@ -290,8 +290,8 @@ def plot(plt, rows: list[dict]):
     shares = list(dict.fromkeys(r["share"] for r in mine if r["method"] != "full")) or ["none"]
     methods = list(dict.fromkeys(r["method"] for r in mine if r["method"] != "full"))
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, len(shares), figsize=(5 * len(shares), 4.2), squeeze=False,
-                             sharey=True)  # fmt: skip
+    fig, axes = plt.subplots(1, len(shares), figsize=(5 * len(shares), 4.4), squeeze=False,
+                             sharey=True, layout="constrained")  # fmt: skip
     for ax, share in zip(axes[0], shares, strict=True):
         if full is not None:
             ax.axhline(full["accuracy"], color="black", ls="--", lw=1, label="FullKV")
@@ -314,7 +314,8 @@ def plot(plt, rows: list[dict]):
         )
     axes[0][0].set_ylabel("% right (solid: the answer; dotted: the whole trace)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
+    # Constrained layout places an "outside" legend below the axes' labels, not over them.
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 5 * len(shares)),
+               fontsize=8)  # fmt: skip
     fig.suptitle("the reasoner: accuracy at a budget")
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
