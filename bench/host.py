@@ -8,7 +8,8 @@ thread's CPU time (`time.thread_time`, which leaves out XLA's own threads, where
 computes) over a whole run, after a warm-up run that compiled every program, divided by the
 tokens decoded. Each setting runs `requests` = 2 x slots (deep: 16 x) requests of `max_tokens`
 tokens (sampled at temperature 0.7 / top-p 0.95 with ignore_eos, R-KV budget + buffer) through
-one `rkvjax.Engine`, in variants:
+one `rkvjax.Engine` per setting, which serves its warm-up and its timed runs as a server's
+engine serves every request (its state's memory is made once), in variants:
 
   plain          nothing but the tokens
   stop           a stop string on every request (never found: the host checks every token)
@@ -80,8 +81,19 @@ def requests_of(slots: int, variant: str) -> int:
     return (16 if variant == "deep" else 2) * slots
 
 
-def run_once(model, slots: int, variant: str, args) -> dict:
-    """One run of the variant's requests; the main thread's CPU time and the run's counters."""
+def make_engine(model, slots: int, variant: str, args) -> rkvjax.Engine:
+    """The setting's engine: one for its warm-up and timed runs, as a server keeps one engine
+    for all its requests (the state's memory is made once, not per run)."""
+    cc = rkvjax.compression_config("rkv", args.budget, buffer=args.buffer)
+    return rkvjax.Engine(
+        model, slots=slots, cache=cc, logprobs=5 if variant == "logprobs" else None
+    )
+
+
+def run_once(eng: rkvjax.Engine, slots: int, variant: str, args) -> dict:
+    """One run of the variant's requests on an idle `eng`; the main thread's CPU time and the
+    run's counters."""
+    model = eng.model
     n = requests_of(slots, variant)
     lo, hi = ARRIVAL_PROMPTS
     one_by_one = variant in ONE_BY_ONE
@@ -89,8 +101,7 @@ def run_once(model, slots: int, variant: str, args) -> dict:
                for i in range(n)]  # fmt: skip
     prompts = [common.random_ids(model, k, seed=i) for i, k in enumerate(lengths)]
     params = [_params(variant, args.max_tokens, i) for i in range(n)]
-    cc = rkvjax.compression_config("rkv", args.budget, buffer=args.buffer)
-    eng = rkvjax.Engine(model, slots=slots, cache=cc, logprobs=5 if variant == "logprobs" else None)
+    eng.reset_stats()
     gc.collect()  # each run starts from the same heap: the last run's garbage is not its cost
     cpu0, wall0 = time.thread_time(), time.perf_counter()
     if one_by_one:
@@ -132,8 +143,9 @@ def run(args, folder) -> list[dict]:
     rows = []
     for model, name, slots in settings:
         for variant in args.variants:
-            run_once(model, slots, variant, args)  # warm-up: compiles every program
-            runs = [run_once(model, slots, variant, args) for _ in range(args.repeats)]
+            eng = make_engine(model, slots, variant, args)
+            run_once(eng, slots, variant, args)  # warm-up: compiles every program
+            runs = [run_once(eng, slots, variant, args) for _ in range(args.repeats)]
             cpu = statistics.median(r["host_cpu_s"] for r in runs)
             tokens = runs[0]["tokens"]
             per_token = cpu / tokens

@@ -5,6 +5,7 @@ and nothing recompiles as requests come and go."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -637,6 +638,46 @@ def test_a_workload_runs_with_only_the_executors_transfers(llama):
     assert calls["insert"] >= 5 and t["insert"] == calls["insert"]  # one per insert
     assert t["chunk"] == calls["dispatch"]  # and one per chunk: its early-stop count
     assert set(t) <= {"insert", "chunk", "release", "resize"}
+
+
+def test_on_one_device_inserts_and_chunks_move_one_buffer_per_dtype(llama):
+    """What an insert sends (its rows' settings and its prefill's prompts) and what an insert
+    or a chunk returns are packed (`runtime.packing`): a handful of buffers each way where
+    the trees hold about twenty arrays, and the same tokens as each request alone."""
+    from rkvjax.runtime import packing
+
+    cc = compression_config("rkv", BUDGET, buffer=BUFFER)
+    prompts = [_prompt(n, seed=310 + i) for i, n in enumerate((9, 30, 12))]
+    params = [_greedy(m) for m in (12, 5, 9)]
+    eng = rkvjax.Engine(llama, slots=2, cache=cc)
+    sent, returned = [], []
+    put, fetch = eng.executor.put, eng.executor.fetch
+
+    def counted_put(tree, where, kind):
+        if kind == "insert":
+            sent.append((tree, jax.tree.leaves(tree)))
+        return put(tree, where, kind)
+
+    def counted_fetch(tree):
+        returned.append(tree)
+        return fetch(tree)
+
+    eng.executor.put, eng.executor.fetch = counted_put, counted_fetch
+    ids = eng.submit_many(prompts, params)
+    got = {r.request_id: r for r in eng.run()}
+    assert len(sent) >= 3 and len(returned) >= 5
+    for tree, leaves in sent:
+        assert all(isinstance(part, packing.Packed) for part in tree.values())
+        assert len(leaves) <= 3 * len(tree)  # int32, float32, uint32 at most per part
+    for tree in returned:
+        packs = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, packing.Packed))
+                 if isinstance(x, packing.Packed)]  # fmt: skip
+        assert len(packs) == 1 and len(jax.tree.leaves(packs[0])) <= 3
+        assert len(packs[0].layout.leaves) == len(dataclasses.fields(programs.Tokens))
+    for prompt, sp, rid in zip(prompts, params, ids, strict=True):
+        alone = rkvjax.Engine(llama, slots=1, cache=cc)
+        alone.submit(prompt, sp)
+        assert alone.run()[0].token_ids == got[rid].token_ids
 
 
 def _counted(fn, name: str, calls: collections.Counter):

@@ -3,7 +3,8 @@
 The executor owns the `programs.SlotState` of the runtime's rows and runs the jitted programs of
 `rkvjax.runtime.programs` on it as the scheduler's plans say. Host data reaches the device only
 through `put`: one explicit `jax.device_put` of a NumPy pytree per insert (its group's prompts
-included when the insert comes with a new prefill), one per decode chunk (the early-stop count) and
+included when the insert comes with a new prefill; on one device each part packed as a buffer per
+dtype, `packing`, as the tokens come back), one per decode chunk (the early-stop count) and
 per release or resize, so a whole workload runs under `jax.transfer_guard("disallow")`. A chunk's
 outputs start copying to the host the moment it is dispatched; the host parses them a round later,
 while the next chunk runs. The compilation its calls cause is counted in its own `CompileLog`, so
@@ -27,7 +28,7 @@ import numpy as np
 from rkvjax.kv import compress
 from rkvjax.models import sharding
 from rkvjax.models.loading import Model
-from rkvjax.runtime import programs, requests
+from rkvjax.runtime import packing, programs, requests
 from rkvjax.runtime.samples import Sample
 from rkvjax.runtime.scheduler import Admission, Insert, Prefill, Resize
 from rkvjax.sampling.sampler import SlotSampling
@@ -84,10 +85,11 @@ def _tree_bytes(tree) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Inserted:
-    """An insert's device outputs: each new row's first token (`programs.Tokens` [R, 1]) and,
-    when compressions are recorded, what its group's prefill compression kept."""
+    """An insert's device outputs: each new row's first token (`programs.Tokens` [R, 1],
+    packed on one device until fetched) and, when compressions are recorded, what its group's
+    prefill compression kept."""
 
-    first: programs.Tokens
+    first: programs.Tokens | packing.Packed
     kept: jax.Array | None
 
 
@@ -205,39 +207,34 @@ class Executor:
     def insert(self, step: Insert) -> Inserted:
         """Prefills the step's group when it is new, then scatters the group's rows into the
         state: every host array of the two in one transfer."""
-        host, where = self._insert_host(step)
-        dev = self.put(host, where, "insert")
+        dev = self.put(*self._insert_host(step), "insert")
         if step.prefill is not None:
-            self._groups[step.group] = self._prefill(dev)
+            self._groups[step.group] = self._prefill(dev["prefill"])
         group = self._groups[step.group]
         if step.last_use:
             del self._groups[step.group]
-        self.state, first = programs.insert(
-            self.state, group, dev["src"], dev["dst"], dev["new"], plan=self.plan_of(step.width)
+        self.state, first = programs.insert_packed(
+            self.state, group, dev["insert"], plan=self.plan_of(step.width)
         )
         record = self.plan.record_kept and self.plan.compression.compressing
         out = Inserted(first, group.kept if record else None)
         _start_copies(out)
         return out
 
-    def _prefill(self, dev: dict[str, Any]) -> programs.Prefilled:
-        return programs.prefill(
-            self.decoder,
-            dev["tokens"],
-            dev["positions"],
-            dev["seeds"],
-            capacity=self.capacity,
-            plan=self.plan,
-        )
+    def _prefill(self, dev: Any) -> programs.Prefilled:
+        return programs.prefill_packed(self.decoder, dev, capacity=self.capacity, plan=self.plan)
 
     def _insert_host(self, step: Insert) -> tuple[dict[str, Any], Any]:
-        """An insert's host arrays (its prefill's too, when the group is new) and where each
-        goes (None on one device)."""
+        """An insert's host arrays, {"insert": ..., "prefill": ...} (the prefill's only when
+        the group is new; each part packed on one device), and where each goes (None on one
+        device)."""
         model = self.model
         host: dict[str, Any] = {
-            "src": np.asarray(step.src, np.int32),
-            "dst": np.asarray(step.dst, np.int32),
-            "new": self.new_rows(step.samples, step.rows),
+            "insert": {
+                "src": np.asarray(step.src, np.int32),
+                "dst": np.asarray(step.dst, np.int32),
+                "new": self.new_rows(step.samples, step.rows),
+            }
         }
         if step.prefill is not None:
             tokens, positions = requests.pad_left(
@@ -247,13 +244,13 @@ class Executor:
                 raise AssertionError("every prefilled prompt needs its request's seed")
             seeds = np.zeros(len(tokens), np.uint32)  # and 0 for the padding rows
             seeds[: len(step.prefill.seeds)] = step.prefill.seeds
-            host.update(tokens=tokens, positions=positions, seeds=seeds)
-        where = None
-        if model.mesh is not None:  # the prompts' rows split like the batch, the rest whole
-            where = jax.tree.map(lambda x: _whole(model, x), host)
-            for key in ("tokens", "positions", "seeds"):
-                if key in host:
-                    where[key] = _row_sharding(model, host[key])
+            host["prefill"] = {"tokens": tokens, "positions": positions, "seeds": seeds}
+        if model.mesh is None:
+            return {k: packing.packed(v) for k, v in host.items()}, None
+        # The prompts' rows split like the batch, the rest whole on every device.
+        where = {"insert": jax.tree.map(lambda x: _whole(model, x), host["insert"])}
+        if "prefill" in host:
+            where["prefill"] = jax.tree.map(lambda x: _row_sharding(model, x), host["prefill"])
         return host, where
 
     def drop_group(self, group: int) -> None:
@@ -288,7 +285,7 @@ class Executor:
         """Runs the next decode chunk (asynchronously) and starts copying its outputs back."""
         at = np.int32(refill_at)  # a value, not a shape: never recompiles
         at = self.put(at, _whole(self.model, at), "chunk")
-        self.state, out = programs.decode(
+        self.state, out = programs.decode_packed(
             self.decoder,
             self.state,
             steps=self.chunk,
@@ -345,13 +342,11 @@ class Executor:
             step = Insert(-1, (0,), (rows,), (), 1, rows, prefill if group is None else None, False)
             dev = transfer(*self._insert_host(step))
             if group is None:
-                group = self._prefill(dev)
-            programs.insert.lower(
-                states[w], group, dev["src"], dev["dst"], dev["new"], plan=plan
-            ).compile()
+                group = self._prefill(dev["prefill"])
+            programs.insert_packed.lower(states[w], group, dev["insert"], plan=plan).compile()
             at = np.int32(self.slots + 1)
             at = transfer(at, _whole(self.model, at))
-            programs.decode.lower(
+            programs.decode_packed.lower(
                 self.decoder, states[w], steps=self.chunk, plan=plan, refill_at=at
             ).compile()
             mask = np.zeros(rows, bool)
@@ -378,8 +373,9 @@ class Executor:
 
     @staticmethod
     def fetch(tree: Any) -> Any:
-        """Device outputs as NumPy (on several processes, each process gets the whole)."""
-        return sharding.to_host(tree)
+        """Device outputs as NumPy, unpacked (on several processes, each process gets the
+        whole)."""
+        return packing.unpacked(sharding.to_host(tree))
 
     # -- sizing -------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from rkvjax.kv import cache as kv
 from rkvjax.kv import compress, quantization
 from rkvjax.kv.config import CompressionConfig
 from rkvjax.models import layers, sharding
+from rkvjax.runtime import packing
 from rkvjax.sampling.sampler import (
     SamplerConfig,
     SlotSampling,
@@ -822,3 +823,43 @@ def _constrain_tokens(o: Tokens, plan: Plan) -> Tokens:
     if kept.shape[1]:  # [T, D * lanes, L, K, budget]
         kept = sharding.constrain(kept, rules, None, "batch", None, "kv_heads", None)
     return dataclasses.replace(o, **fields, kept_rows=kept_rows, kept_num=kept_num, kept=kept)
+
+
+# -- the runtime's calls: host data packed -----------------------------------------------------
+# The executor calls these, not the programs above: on one device (`plan.rules` None) each takes
+# its host arrays as one `packing.Packed` (a buffer per dtype) and returns its tokens packed, so
+# a call moves two or three buffers each way instead of about twenty (`packing`). On a mesh the
+# arrays go as they are, each with its own sharding. The tokens, states and compilations are the
+# programs' own: each wrapper traces one of them and compiles as that one program.
+
+
+def _unpacked(x):
+    return x.unpack() if isinstance(x, packing.Packed) else x
+
+
+def _for_host(tree, plan: Plan):
+    """A program's output for the host: packed on one device, as it is on a mesh."""
+    return packing.packed(tree) if plan.rules is None else tree
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "plan"))
+def prefill_packed(model, host, *, capacity: int, plan: Plan) -> Prefilled:
+    """`prefill` of host {"tokens", "positions", "seeds"} (a `packing.Packed` on one device)."""
+    h = _unpacked(host)
+    return prefill(model, h["tokens"], h["positions"], h["seeds"], capacity=capacity, plan=plan)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def insert_packed(state: SlotState, group: Prefilled, host, *, plan: Plan):
+    """`insert` of host {"src", "dst", "new"} (packed on one device); the first tokens packed
+    on one device."""
+    h = _unpacked(host)
+    state, first = insert(state, group, h["src"], h["dst"], h["new"], plan=plan)
+    return state, _for_host(first, plan)
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "plan"), donate_argnames=("state",))
+def decode_packed(model, state: SlotState, *, steps: int, plan: Plan, refill_at=None):
+    """`decode`, its tokens packed on one device."""
+    state, out = decode(model, state, steps=steps, plan=plan, refill_at=refill_at)
+    return state, _for_host(out, plan)

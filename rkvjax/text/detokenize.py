@@ -71,7 +71,7 @@ class StopWatcher:
     def _push_skipping(self, ids: np.ndarray) -> int | None:
         # The common case, kept to two NumPy calls: no token of the chunk can end a stop string.
         hit = self._candidates.take(ids, mode="clip")
-        if hit.any():
+        if hit.any() and self._completes(ids, np.flatnonzero(hit)):
             for j in np.flatnonzero(hit):
                 # What the candidate completes starts in its own text or at most `_reach`
                 # bytes before it: the window holds that much before it, whatever its length.
@@ -87,6 +87,19 @@ class StopWatcher:
             kept = self._window(np.concatenate(self._recent))
             self._recent, self._held = [kept], len(kept)
         return None
+
+    def _completes(self, ids: np.ndarray, js: np.ndarray) -> bool:
+        """Whether a stop string may end at one of the candidates `js` of `ids`: one decode,
+        from the first candidate's window to the last candidate. Each candidate's own window
+        lies inside that span (it starts no earlier than the first's), and text decoded from
+        an earlier start holds the same complete characters (UTF-8 finds its place again), so
+        no stop string there means none at any candidate. Where a chunk has many candidates
+        (a byte-level vocabulary's partial characters), most pushes decode once, not once per
+        candidate."""
+        first, last = int(js[0]), int(js[-1])
+        before = self._window(np.concatenate([*self._recent, ids[:first]]))
+        text = self._tokenizer.decode_raw([*before.tolist(), *ids[first : last + 1].tolist()])
+        return any(s in text for s in self._stop)
 
     def _window(self, ids: np.ndarray) -> np.ndarray:
         """The shortest tail of `ids` holding `_reach` bytes of text (all of it if shorter)."""
