@@ -195,9 +195,10 @@ def test_compression_compiles_without_collectives():
 
 
 def _compiled_decode_on_mesh(model, monkeypatch, method="rkv", **options) -> str:
-    """Optimized HLO of the decode chunk `generate` runs for PROMPTS on `model`'s mesh."""
+    """Optimized HLO of the decode chunk `generate` runs for PROMPTS on `model`'s mesh (the
+    executor's call, `decode_packed`, which on a mesh is `decode` with nothing packed)."""
     seen = []
-    real = programs.decode
+    real = programs.decode_packed
 
     def spy(decoder, state, *, steps, plan, **kw):
         shapes = jax.tree.map(
@@ -206,7 +207,7 @@ def _compiled_decode_on_mesh(model, monkeypatch, method="rkv", **options) -> str
         seen.append((shapes, plan))
         return real(decoder, state, steps=steps, plan=plan, **kw)
 
-    monkeypatch.setattr(programs, "decode", spy)
+    monkeypatch.setattr(programs, "decode_packed", spy)
     rkvjax.generate(model, PROMPTS, method=method, **GEN, **options)
     state, plan = seen[0]
     with jax.set_mesh(model.mesh):
