@@ -37,6 +37,10 @@ class Layout:
 def layout_of(tree: Any) -> Layout:
     """The layout of a tree of arrays (NumPy, jax, tracers or ShapeDtypeStructs)."""
     leaves, treedef = jax.tree.flatten(tree)
+    return _layout(leaves, treedef)
+
+
+def _layout(leaves: list, treedef) -> Layout:
     sizes: dict[str, int] = {}
     where = []
     for x in leaves:
@@ -46,24 +50,19 @@ def layout_of(tree: Any) -> Layout:
     return Layout(treedef, tuple(where), tuple(sizes.items()))
 
 
-def pack(tree: Any, layout: Layout | None = None) -> dict[str, Any]:
-    """The tree's leaves, raveled and concatenated per dtype in `layout`'s order: NumPy for
-    NumPy leaves (on the host), jax arrays inside a program."""
-    layout = layout_of(tree) if layout is None else layout
-    leaves = jax.tree.leaves(tree)
+def packed(tree: Any) -> Packed:
+    """`tree` as a `Packed`: its leaves raveled and concatenated per dtype in leaf order (NumPy
+    for NumPy leaves, on the host; jax arrays inside a program), and its layout."""
+    leaves, treedef = jax.tree.flatten(tree)
+    layout = _layout(leaves, treedef)
     xp = np if all(isinstance(x, np.ndarray | np.generic) for x in leaves) else jnp
-    out = {}
-    for d, _ in layout.sizes:
-        out[d] = xp.concatenate(
+    buffers = {
+        d: xp.concatenate(
             [xp.ravel(x) for x, (dt, _, _) in zip(leaves, layout.leaves, strict=True) if dt == d]
         )
-    return out
-
-
-def packed(tree: Any) -> Packed:
-    """`tree` as a `Packed`: its buffers (`pack`) and its layout."""
-    layout = layout_of(tree)
-    return Packed(pack(tree, layout), layout)
+        for d, _ in layout.sizes
+    }
+    return Packed(buffers, layout)
 
 
 @jax.tree_util.register_pytree_node_class

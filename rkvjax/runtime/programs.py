@@ -833,10 +833,6 @@ def _constrain_tokens(o: Tokens, plan: Plan) -> Tokens:
 # programs' own: each wrapper traces one of them and compiles as that one program.
 
 
-def _unpacked(x):
-    return x.unpack() if isinstance(x, packing.Packed) else x
-
-
 def _for_host(tree, plan: Plan):
     """A program's output for the host: packed on one device, as it is on a mesh."""
     return packing.packed(tree) if plan.rules is None else tree
@@ -845,7 +841,7 @@ def _for_host(tree, plan: Plan):
 @functools.partial(jax.jit, static_argnames=("capacity", "plan"))
 def prefill_packed(model, host, *, capacity: int, plan: Plan) -> Prefilled:
     """`prefill` of host {"tokens", "positions", "seeds"} (a `packing.Packed` on one device)."""
-    h = _unpacked(host)
+    h = packing.unpacked(host)
     return prefill(model, h["tokens"], h["positions"], h["seeds"], capacity=capacity, plan=plan)
 
 
@@ -853,7 +849,7 @@ def prefill_packed(model, host, *, capacity: int, plan: Plan) -> Prefilled:
 def insert_packed(state: SlotState, group: Prefilled, host, *, plan: Plan):
     """`insert` of host {"src", "dst", "new"} (packed on one device); the first tokens packed
     on one device."""
-    h = _unpacked(host)
+    h = packing.unpacked(host)
     state, first = insert(state, group, h["src"], h["dst"], h["new"], plan=plan)
     return state, _for_host(first, plan)
 

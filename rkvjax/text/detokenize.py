@@ -71,8 +71,8 @@ class StopWatcher:
     def _push_skipping(self, ids: np.ndarray) -> int | None:
         # The common case, kept to two NumPy calls: no token of the chunk can end a stop string.
         hit = self._candidates.take(ids, mode="clip")
-        if hit.any() and self._completes(ids, np.flatnonzero(hit)):
-            for j in np.flatnonzero(hit):
+        if hit.any() and self._completes(ids, js := np.flatnonzero(hit)):
+            for j in js:
                 # What the candidate completes starts in its own text or at most `_reach`
                 # bytes before it: the window holds that much before it, whatever its length.
                 before = self._window(np.concatenate([*self._recent, ids[:j]]))
