@@ -636,7 +636,9 @@ def test_a_workload_runs_with_only_the_executors_transfers(llama):
     assert got == want
     t = eng.executor.transfers
     assert calls["insert"] >= 5 and t["insert"] == calls["insert"]  # one per insert
-    assert t["chunk"] == calls["dispatch"]  # and one per chunk: its early-stop count
+    # Each early-stop count moves once and stays on the device; at 2 slots the scheduler asks
+    # for two values (1 with samples waiting, 3 with none), and chunks outnumber them.
+    assert calls["dispatch"] > 2 and 1 <= t["chunk"] <= 2
     assert set(t) <= {"insert", "chunk", "release", "resize"}
 
 

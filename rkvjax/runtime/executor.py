@@ -4,8 +4,8 @@ The executor owns the `programs.SlotState` of the runtime's rows and runs the ji
 `rkvjax.runtime.programs` on it as the scheduler's plans say. Host data reaches the device only
 through `put`: one explicit `jax.device_put` of a NumPy pytree per insert (its group's prompts
 included when the insert comes with a new prefill; on one device each part packed as a buffer per
-dtype, `packing`, as the tokens come back), one per decode chunk (the early-stop count) and
-per release or resize, so a whole workload runs under `jax.transfer_guard("disallow")`. A chunk's
+dtype, `packing`, as the tokens come back), one per early-stop count the first time a chunk
+asks for it (kept on the device; a handful of values) and per release or resize, so a whole workload runs under `jax.transfer_guard("disallow")`. A chunk's
 outputs start copying to the host the moment it is dispatched; the host parses them a round later,
 while the next chunk runs. The compilation its calls cause is counted in its own `CompileLog`, so
 two runtimes in one process each report their own compile time.
@@ -128,6 +128,7 @@ class Executor:
         self.compile = programs.CompileLog()
         self.transfers: collections.Counter[str] = collections.Counter()  # host-to-device calls
         self._groups: dict[int, programs.Prefilled] = {}
+        self._refill_at: dict[int, jax.Array] = {}  # each early-stop count on the device
         self._pending: concurrent.futures.Future | None = None  # a state `start_state` makes
 
     @contextlib.contextmanager
@@ -283,8 +284,13 @@ class Executor:
 
     def dispatch(self, refill_at: int) -> programs.Tokens:
         """Runs the next decode chunk (asynchronously) and starts copying its outputs back."""
-        at = np.int32(refill_at)  # a value, not a shape: never recompiles
-        at = self.put(at, _whole(self.model, at), "chunk")
+        at = self._refill_at.get(refill_at)
+        if at is None:
+            # A value, not a shape: never recompiles. The scheduler asks for at most
+            # slots / 16 + 1 values, so each is moved once and kept (the chunk does not donate
+            # it), and a chunk's dispatch moves nothing.
+            host = np.int32(refill_at)
+            at = self._refill_at[refill_at] = self.put(host, _whole(self.model, host), "chunk")
         self.state, out = programs.decode_packed(
             self.decoder,
             self.state,
