@@ -5,10 +5,11 @@ The executor owns the `programs.SlotState` of the runtime's rows and runs the ji
 through `put`: one explicit `jax.device_put` of a NumPy pytree per insert (its group's prompts
 included when the insert comes with a new prefill; on one device each part packed as a buffer per
 dtype, `packing`, as the tokens come back), one per early-stop count the first time a chunk
-asks for it (kept on the device; a handful of values) and per release or resize, so a whole workload runs under `jax.transfer_guard("disallow")`. A chunk's
-outputs start copying to the host the moment it is dispatched; the host parses them a round later,
-while the next chunk runs. The compilation its calls cause is counted in its own `CompileLog`, so
-two runtimes in one process each report their own compile time.
+asks for it (kept on the device; a handful of values) and one per release or resize, so a whole
+workload runs under `jax.transfer_guard("disallow")`. A chunk's outputs start copying to the host
+the moment it is dispatched; the host parses them a round later, while the next chunk runs. The
+compilation its calls cause is counted in its own `CompileLog`, so two runtimes in one process
+each report their own compile time.
 """
 
 from __future__ import annotations
