@@ -8,9 +8,10 @@ moe_intermediate_size), so both compute the same active parameters per token. Fo
 both decode the same random prompts (FullKV, greedy, forced length), timed as `bench decode`
 times (steps/s = (N - 1) / (t(N) - t(1)), medians of --repeats after a warm-up, the two models
 taking turns so that load hits both alike), and the compiled FLOPs of one token through the
-weights (`token_flops`, `Compiled.cost_analysis`). The speed ratio is what routing, sorting
-and per-tile weight gathers cost over a dense MLP of the same work: the FLOPs stay within 1.5x
-(the tiles' padding) while the MoE holds experts / top_k times the expert weights.
+weights (`token_flops`; on CPU the matrix products, each loop body counted as often as it runs).
+The speed ratio is what routing, sorting and per-tile weight slices cost over a dense MLP of the
+same work: the FLOPs stay within 1.5x (the tiles' padding) while the MoE holds experts / top_k
+times the expert weights.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import copy
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from rkvjax.convert.hf_config import MOE_KEYS
@@ -27,6 +29,7 @@ from rkvjax.models import layers, loading
 
 from bench import common
 from bench.decode import CompileTimer, rkvjax_runner, time_engines
+from bench.flops import dot_flops
 
 PREFER_MEMORY = False
 # Qwen3-30B-A3B's routing (128 experts, top 8, renormalised) and its ratios (expert hidden units
@@ -91,8 +94,19 @@ def configs(args) -> tuple[str, dict, dict]:
     return name, moe, dense
 
 
+def compiled_flops(compiled) -> float:
+    """FLOPs of one run of a compiled program. On CPU, where a MoE layer loops over its tiles
+    (`experts.loops_over_tiles`), the matrix products with each loop body counted as often as
+    it runs (`bench.flops.dot_flops`; `cost_analysis` counts a body once). Elsewhere the
+    products are batched, not looped, and `cost_analysis` counts them (with the element-wise
+    work, a few percent more)."""
+    if jax.default_backend() == "cpu":
+        return dot_flops(compiled)
+    return compiled.cost_analysis()["flops"]
+
+
 def token_flops(decoder, rows: int) -> float:
-    """Compiled FLOPs (`cost_analysis`) of one decode token per row through `decoder` (an
+    """Compiled FLOPs (`compiled_flops`) of one decode token per row through `decoder` (an
     rkvjax Decoder) and its head, attention over the token itself: the weights' work, which is
     what a MoE changes."""
 
@@ -105,7 +119,7 @@ def token_flops(decoder, rows: int) -> float:
         return m.head(x)
 
     tokens = jnp.zeros((rows, 1), jnp.int32)
-    return nnx.jit(step).lower(decoder, tokens).compile().cost_analysis()["flops"] / rows
+    return compiled_flops(nnx.jit(step).lower(decoder, tokens).compile()) / rows
 
 
 def run(args, folder) -> list[dict]:

@@ -20,7 +20,8 @@ from rkvjax.models.config import Experts, ModelConfig
 from rkvjax.models.decoder import Decoder
 
 import rkvjax
-from bench.experts import token_flops
+from bench.experts import compiled_flops, token_flops
+from bench.flops import dot_flops
 from rkvjax.kv import policies
 from tests.hf_tiny import VOCAB
 from tests.tolerances import SELF_ATOL
@@ -113,7 +114,39 @@ def _layer_flops(cfg: ModelConfig, rows: int) -> float:
     """Compiled FLOPs of layer 1's MLP (the experts, or a dense MLP) for one token per row."""
     mlp = Decoder(cfg, rngs=nnx.Rngs(0)).layers[1].mlp
     x = jnp.ones((cfg.embed, rows, 1), jnp.float32)  # [D, B, T]
-    return nnx.jit(lambda m, x: m(x)).lower(mlp, x).compile().cost_analysis()["flops"]
+    return compiled_flops(nnx.jit(lambda m, x: m(x)).lower(mlp, x).compile())
+
+
+def test_the_flops_count_runs_each_loop_body_as_often_as_it_runs():
+    """`dot_flops` counts a looped product as the batched one (cost_analysis counts a loop's
+    body once), nested loops multiply, a conditional counts its dearest branch, and a loop of
+    unknown length is refused."""
+    x, w = jnp.ones((6, 8, 16)), jnp.ones((6, 12, 16))  # 6 tiles: [8, 16] x [12, 16]^T
+    want = 2 * 6 * 8 * 12 * 16
+    tile = lambda xw: jnp.einsum("md,fd->mf", *xw)
+    programs = {
+        "batched": lambda x, w: jnp.einsum("tmd,tfd->tmf", x, w),
+        "map": lambda x, w: jax.lax.map(tile, (x, w)),
+        "nested": lambda x, w: jax.lax.map(
+            lambda xw: jax.lax.map(tile, (xw[0].reshape(2, 4, 16), jnp.stack([xw[1]] * 2))),
+            (x, w),
+        ),
+        "cond": lambda x, w: jax.lax.cond(
+            x[0, 0, 0] > 0, lambda: jax.lax.map(tile, (x, w)), lambda: jnp.zeros((6, 8, 12))
+        ),
+    }
+    for name, f in programs.items():
+        compiled = jax.jit(f).lower(x, w).compile()
+        assert dot_flops(compiled) == want, name
+    looped = jax.jit(programs["map"]).lower(x, w).compile()
+    assert looped.cost_analysis()["flops"] < want / 5  # why the count exists
+
+    def until_small(x, w):
+        return jax.lax.while_loop(lambda x: x.sum() > 1, lambda x: tile((x, w)) @ w, x)
+
+    unknown = jax.jit(until_small).lower(x[0], w[0]).compile()
+    with pytest.raises(ValueError, match="no trip count"):
+        dot_flops(unknown)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
