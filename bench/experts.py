@@ -21,11 +21,10 @@ import copy
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from rkvjax.convert.hf_config import MOE_KEYS
-from rkvjax.models import layers, loading
+from rkvjax.models import experts, layers, loading
 
 from bench import common
 from bench.decode import CompileTimer, rkvjax_runner, time_engines
@@ -100,7 +99,7 @@ def compiled_flops(compiled) -> float:
     it runs (`bench.flops.dot_flops`; `cost_analysis` counts a body once). Elsewhere the
     products are batched, not looped, and `cost_analysis` counts them (with the element-wise
     work, a few percent more)."""
-    if jax.default_backend() == "cpu":
+    if experts.loops_over_tiles():
         return dot_flops(compiled)
     return compiled.cost_analysis()["flops"]
 

@@ -94,8 +94,9 @@ def _trip_count(line: str, name: str) -> int:
     return int(n)
 
 
-def _local(lines: list[str]) -> tuple[float, list[tuple[str, int]]]:
-    """(FLOPs of this computation's own dots, [(callee, times called)])."""
+def _local(lines: list[str]) -> tuple[float, list[tuple[tuple[str, ...], int]]]:
+    """(FLOPs of this computation's own dots, [(callees, times called)]): one callee, or a
+    conditional's branches, of which the dearest counts."""
     shapes: dict[str, tuple[int, ...] | None] = {}
     flops, calls = 0.0, []
     for line in lines:
@@ -112,7 +113,7 @@ def _local(lines: list[str]) -> tuple[float, list[tuple[str, int]]]:
             contracted = math.prod(lhs_shape[int(i)] for i in dims.group(1).split(",") if i)
             flops += 2.0 * math.prod(shapes[name]) * contracted
         elif op == "while":
-            calls.append((_BODY.search(rest).group(1), _trip_count(line, name)))
+            calls.append(((_BODY.search(rest).group(1),), _trip_count(line, name)))
         elif op == "conditional":
             # The most expensive branch: an upper bound on what one execution computes.
             listed = _BRANCHES.search(rest)
@@ -121,7 +122,7 @@ def _local(lines: list[str]) -> tuple[float, list[tuple[str, int]]]:
                 if listed
                 else _TRUE_FALSE.findall(rest)
             )
-            calls.append(("|".join(branches), 1))
+            calls.append((tuple(branches), 1))
         elif op == "custom-call" and _LIBRARY_PRODUCT.search(rest):
             raise ValueError(
                 f"{name}: a library product (custom call), which this count does not read; "
@@ -130,9 +131,9 @@ def _local(lines: list[str]) -> tuple[float, list[tuple[str, int]]]:
         else:
             # A fusion or a call runs its computation once; reducers' and comparators'
             # computations (`to_apply` of other ops) and loop conditions hold no products.
-            calls.extend((c, 1) for c in _CALLS.findall(rest))
+            calls.extend(((c,), 1) for c in _CALLS.findall(rest))
             if op == "call":
-                calls.extend((c, 1) for c in _APPLIES.findall(rest))
+                calls.extend(((c,), 1) for c in _APPLIES.findall(rest))
     return flops, calls
 
 
@@ -144,11 +145,9 @@ def dot_flops(compiled) -> float:
     memo: dict[str, float] = {}
 
     def total(name: str) -> float:
-        if "|" in name:
-            return max(total(n) for n in name.split("|"))
         if name not in memo:
             own, calls = local[name]
-            memo[name] = own + sum(times * total(c) for c, times in calls)
+            memo[name] = own + sum(times * max(map(total, cs)) for cs, times in calls)
         return memo[name]
 
     return total(entry)
