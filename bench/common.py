@@ -27,6 +27,7 @@ import numpy as np
 
 import rkvjax
 from bench import checkpoints
+from rkvjax import allocator
 from rkvjax.kv import config, policies, quantization
 from rkvjax.runtime import programs, requests
 
@@ -74,6 +75,7 @@ def run_meta(**extra) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "argv": sys.argv[1:],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "preload": allocator.current(),  # the allocator (rkvjax.allocator), or ""
         **extra,
     }
 

@@ -402,7 +402,7 @@ class Server:
 
 def server_command(args, model, port: int) -> list[str]:
     """`rkvjax serve` with the engine configuration `serving_engine` gets here."""
-    cmd = [sys.executable, "-m", "rkvjax.entrypoints.cli", "serve", "--model", str(model.path)]
+    cmd = [sys.executable, "-m", "rkvjax", "serve", "--model", str(model.path)]
     cmd += ["--dtype", np.dtype(model.dtype).name, "--slots", str(args.slots)]
     cmd += ["--method", args.method]
     if args.method != "full":

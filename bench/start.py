@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 
 
 def _command(args, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "rkvjax.entrypoints.cli", "serve"]
+    cmd = [sys.executable, "-m", "rkvjax", "serve"]
     if args.tiny:
         cmd += ["--model", str(common.tiny_chat_checkpoint())]
     elif args.model:

@@ -290,7 +290,7 @@ def test_engine_job_answers_openai_batch_lines(tiny, tmp_path):
 
 
 # `rkvjax batch IN OUT` on the tiny model, as a user runs it; the test kills it.
-_ENGINE_JOB = [sys.executable, "-m", "rkvjax.entrypoints.cli", "batch"]
+_ENGINE_JOB = [sys.executable, "-m", "rkvjax", "batch"]
 
 
 def _key(r):

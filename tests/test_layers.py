@@ -21,7 +21,14 @@ SOURCES = {
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "base",
-        ("rkvjax.defaults", "rkvjax.checks", "rkvjax.xla_flags", "rkvjax.lazy", "rkvjax.home"),
+        (
+            "rkvjax.defaults",
+            "rkvjax.checks",
+            "rkvjax.xla_flags",
+            "rkvjax.allocator",
+            "rkvjax.lazy",
+            "rkvjax.home",
+        ),
     ),
     ("text", ("rkvjax.text",)),
     ("model", ("rkvjax.models", "rkvjax.convert")),
@@ -30,9 +37,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("rkvjax.runtime",)),
     ("api", ("rkvjax.api",)),
     ("entrypoints", ("rkvjax.entrypoints",)),
-    # The package's lazy public names, and the public aliases `rkvjax.compression` and
-    # `rkvjax.policies` (nothing inside the package imports them).
-    ("package", ("rkvjax", "rkvjax.compression", "rkvjax.policies")),
+    # The package's lazy public names, the public aliases `rkvjax.compression` and
+    # `rkvjax.policies` (nothing inside the package imports them), and `python -m rkvjax`.
+    ("package", ("rkvjax", "rkvjax.compression", "rkvjax.policies", "rkvjax.__main__")),
 )
 
 

@@ -90,7 +90,7 @@ class Server:
 def server(smol_dir, tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "rkvjax.entrypoints.cli", "serve", "--model", str(smol_dir)]
+    cmd = [sys.executable, "-m", "rkvjax", "serve", "--model", str(smol_dir)]
     cmd += ["--dtype", "float32", "--method", CACHE["method"], "--budget", str(CACHE["budget"])]
     cmd += ["--buffer", str(CACHE["buffer"]), "--slots", str(SLOTS), "--port", str(port)]
     cmd += ["--api-key", KEY, "--served-model-name", NAME, "--max-body-bytes", str(MAX_BODY)]

@@ -1,0 +1,7 @@
+"""`python -m rkvjax`: the `rkvjax` command."""
+
+import sys
+
+from rkvjax.entrypoints.launch import main
+
+sys.exit(main())
