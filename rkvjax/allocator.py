@@ -10,12 +10,13 @@ jemalloc the host's CPU per token dropped by about a quarter and peak memory did
 used.
 
 An allocator is chosen when the process starts, so only the program that owns the process
-may choose: the `rkvjax` command and `python -m bench` start themselves once more with
-`LD_PRELOAD` naming jemalloc (`exec_tuned`), before they import JAX. `RKVJAX_MALLOC` says
-which: `auto` (the default: jemalloc where the dynamic linker's cache has it, e.g.
-Debian's and Ubuntu's `libjemalloc2`; glibc's otherwise), `system` (glibc's), or the path of a
-malloc library. A process whose `LD_PRELOAD` is already set is left as it is. Code that imports
-`rkvjax` into its own process sets `LD_PRELOAD` in the environment that starts Python.
+may choose: the `rkvjax` command starts itself once more with `LD_PRELOAD` naming jemalloc
+(`exec_tuned`) before it imports JAX, and `python -m bench` does the same after its imports.
+`RKVJAX_MALLOC` says which: `auto` (the default: jemalloc where the dynamic linker's cache has
+it, e.g. Debian's and Ubuntu's `libjemalloc2`; glibc's otherwise), `system` (glibc's), or the
+path of a malloc library. A process whose `LD_PRELOAD` is already set is left as it is. Code
+that imports `rkvjax` into its own process sets `LD_PRELOAD` in the environment that starts
+Python.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ def library(environ: Mapping[str, str]) -> str | None:
     return choice
 
 
-def tuned_environ(environ: Mapping[str, str], lib: str | None) -> dict[str, str] | None:
-    """The environment to start this program again in, with `lib` preloaded, or None where
-    there is nothing to do: no library, or `LD_PRELOAD` already set (the user's, or this
-    program's after its restart)."""
-    if lib is None or environ.get("LD_PRELOAD"):
+def tuned_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment to start this program again in, with `library(environ)` preloaded, or
+    None where there is nothing to do: `LD_PRELOAD` already set (the user's, or this program's
+    after its restart, which so skips looking for jemalloc), or no library."""
+    if environ.get("LD_PRELOAD"):
         return None
-    return {**environ, "LD_PRELOAD": lib}
+    lib = library(environ)
+    return None if lib is None else {**environ, "LD_PRELOAD": lib}
 
 
 def exec_tuned() -> None:
@@ -61,10 +63,8 @@ def exec_tuned() -> None:
     a program's entry point, before threads start or files open."""
     if not sys.platform.startswith("linux") or not getattr(sys, "orig_argv", None):
         return
-    if os.environ.get("LD_PRELOAD"):
-        return
     try:
-        env = tuned_environ(os.environ, library(os.environ))
+        env = tuned_environ(os.environ)
     except FileNotFoundError as e:
         sys.exit(f"rkvjax: error: {e}")
     if env is None:

@@ -70,13 +70,12 @@ def test_rkvjax_malloc_names_the_library(monkeypatch, tmp_path):
     assert allocator.library({}) is None  # not installed: glibc's
 
 
-def test_tuned_environ_preloads_the_library_unless_something_is_preloaded():
-    assert allocator.tuned_environ({"HOME": "/h"}, "libj.so") == {
-        "HOME": "/h",
-        "LD_PRELOAD": "libj.so",
-    }
-    assert allocator.tuned_environ({"HOME": "/h"}, None) is None
-    assert allocator.tuned_environ({"LD_PRELOAD": "mine.so"}, "libj.so") is None
+def test_tuned_environ_preloads_the_library_unless_something_is_preloaded(monkeypatch):
+    monkeypatch.setattr(allocator, "library", lambda environ: "libj.so")
+    assert allocator.tuned_environ({"HOME": "/h"}) == {"HOME": "/h", "LD_PRELOAD": "libj.so"}
+    assert allocator.tuned_environ({"LD_PRELOAD": "mine.so"}) is None
+    monkeypatch.setattr(allocator, "library", lambda environ: None)
+    assert allocator.tuned_environ({"HOME": "/h"}) is None
 
 
 @linux
